@@ -1,0 +1,1 @@
+"""Checkpoints: storage and format (atomic, verified) apart from policy (when, how many)."""

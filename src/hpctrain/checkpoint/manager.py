@@ -1,0 +1,177 @@
+"""Saving and restoring a whole training run across ranks.
+
+Under DDP every rank holds the same model and optimizer state, so rank 0 writes
+them; each rank's RNG state is gathered to rank 0 and written with them. The
+outcome of rank 0's write is broadcast, so a failed save (full disk, I/O error)
+raises on every rank instead of leaving the others waiting at a barrier.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from torch import nn
+
+from hpctrain.checkpoint import policy, storage
+from hpctrain.checkpoint.storage import Checked
+from hpctrain.dist.collectives import barrier, broadcast_object, gather_objects
+from hpctrain.dist.runtime import Runtime
+from hpctrain.errors import UserError
+from hpctrain.train.rng import capture_rng, restore_rng, seed_rank_streams
+from hpctrain.train.state import TrainState
+
+log = logging.getLogger(__name__)
+
+
+def select_checkpoint(
+    root: Path, resume: str, experiment: str, verify_checksums: bool = True
+) -> tuple[Checked | None, list[Checked]]:
+    """Which checkpoint a run starts from, per ckpt.resume; None for a fresh start.
+
+    Raises UserError (and deletes nothing) when the choice is impossible."""
+    if resume == "never":
+        existing = storage.list_checkpoints(root)
+        if existing:
+            raise UserError(
+                f"ckpt.resume=never, but '{root}' already holds checkpoints ({existing[0].name} ...)",
+                "use a new run.dir, or ckpt.resume=auto to continue that run.",
+            )
+        return None, []
+    if resume == "auto":
+        chosen, skipped = storage.find_latest_valid(root, verify_checksums)
+        if chosen is None and skipped:
+            reasons = "; ".join(f"{c.path.name}: {c.problem}" for c in skipped)
+            raise UserError(
+                f"'{root}' holds checkpoints, but none is valid ({reasons}); nothing was deleted",
+                "point ckpt.resume at a good checkpoint directory, or move the run dir away and start anew.",
+            )
+    else:
+        chosen, skipped = storage.check_checkpoint(Path(resume), verify_checksums), []
+        if not chosen.valid:
+            raise UserError(f"checkpoint '{resume}' is not usable: {chosen.problem}", "give another checkpoint directory.")
+    if chosen is not None:
+        saved_for = chosen.manifest.get("experiment") if chosen.manifest else None
+        if saved_for != experiment:
+            raise UserError(
+                f"checkpoint '{chosen.path}' was written by experiment '{saved_for}', not '{experiment}'",
+                f"use another run.dir for '{experiment}' (run.dir=...), or train '{saved_for}' to continue that run.",
+            )
+    return chosen, skipped
+
+
+@dataclass(frozen=True)
+class Resumed:
+    path: Path
+    state: TrainState
+    saved_world_size: int
+
+
+class Checkpointer:
+    def __init__(self, run_dir: Path, experiment: str, runtime: Runtime, config_text: str, keep_last: int) -> None:
+        self.root = run_dir / "checkpoints"
+        self.experiment = experiment
+        self.runtime = runtime
+        self.config_text = config_text
+        self.keep_last = keep_last
+
+    def save(self, state: TrainState, stateful: Mapping[str, Any]) -> None:
+        """Collective: every rank calls it at the same step."""
+        rng = gather_objects(capture_rng(self.runtime.device), self.runtime)
+        error = ""
+        if self.runtime.is_main:
+            try:
+                path = storage.write_checkpoint(self.root, state.step, self._files(state, stateful, rng), self._meta(state))
+                self._retire_old(path)
+                log.info("saved checkpoint %s", path)
+            except OSError as err:
+                error = f"saving checkpoint at step {state.step} under '{self.root}' failed: {err}"
+        error = broadcast_object(error, self.runtime)
+        if error:
+            raise UserError(error, "free disk space or fix the file system; the previous checkpoint is intact.")
+
+    def _files(self, state: TrainState, stateful: Mapping[str, Any], rng: list[Any]) -> dict[str, Any]:
+        files: dict[str, Any] = {
+            "model.pt": stateful["model"].state_dict(),
+            "optim.pt": {k: stateful[k].state_dict() for k in ("optimizer", "scheduler", "scaler")},
+            "rng.pt": rng,
+            "state.json": json.dumps(state.to_dict() | {"world_size": self.runtime.world_size}, indent=1),
+            "config.toml": self.config_text,
+        }
+        if stateful.get("ema") is not None:
+            files["ema.pt"] = stateful["ema"].state_dict()
+        return files
+
+    def _meta(self, state: TrainState) -> dict[str, Any]:
+        return {"experiment": self.experiment, "epoch": state.epoch, "world_size": self.runtime.world_size}
+
+    def _retire_old(self, newest: Path) -> None:
+        storage.remove_stale_temporaries(self.root)
+        valid = {
+            int(p.name[len(storage.PREFIX):]): p
+            for p in storage.list_checkpoints(self.root)
+            if storage.check_checkpoint(p, verify_checksums=False).valid
+        }
+        protected = int(newest.name[len(storage.PREFIX):])
+        for step in policy.steps_to_delete(sorted(valid), self.keep_last, protected):
+            shutil.rmtree(valid[step], ignore_errors=True)
+
+    def restore(self, resume: str, stateful: Mapping[str, Any], seed: int) -> Resumed | None:
+        """Collective: rank 0 picks and verifies the checkpoint, every rank loads it."""
+        choice: tuple[str, str] = ("", "")
+        if self.runtime.is_main:
+            try:
+                chosen, skipped = select_checkpoint(self.root, resume, self.experiment)
+                for c in skipped:
+                    log.warning("skipping checkpoint %s: %s", c.path, c.problem)
+                choice = (str(chosen.path) if chosen else "", "")
+            except UserError as err:
+                choice = ("", str(err))
+        path, error = broadcast_object(choice, self.runtime)
+        if error:
+            raise UserError(error)
+        if not path:
+            return None
+        return self._load(Path(path), stateful, seed)
+
+    def _load(self, path: Path, stateful: Mapping[str, Any], seed: int) -> Resumed:
+        info = json.loads((path / "state.json").read_text())
+        state = TrainState.from_dict(info)
+        _load_into(stateful["model"], storage.load_file(path, "model.pt"), path)
+        optim = storage.load_file(path, "optim.pt")
+        for key in ("optimizer", "scheduler", "scaler"):
+            stateful[key].load_state_dict(optim[key])
+        if stateful.get("ema") is not None:
+            if not (path / "ema.pt").exists():
+                raise UserError(f"checkpoint '{path}' has no EMA weights, but optim.ema_decay > 0", "set optim.ema_decay=0 or start a new run.")
+            _load_into(stateful["ema"], storage.load_file(path, "ema.pt"), path)
+        rng = storage.load_file(path, "rng.pt")
+        saved_world = int(info["world_size"])
+        if saved_world == self.runtime.world_size:
+            restore_rng(rng[self.runtime.rank], self.runtime.device)
+        else:
+            seed_rank_streams(seed, self.runtime.rank, state.step)
+            if self.runtime.is_main:
+                log.warning(
+                    "resuming a run saved by %d processes on %d: data order and position are exact, but the "
+                    "per-rank random streams (dropout, noise) are re-seeded from (seed, rank, step)",
+                    saved_world, self.runtime.world_size,
+                )
+        barrier(self.runtime)
+        return Resumed(path, state, saved_world)
+
+
+def _load_into(module: nn.Module, state_dict: Mapping[str, Any], path: Path) -> None:
+    try:
+        module.load_state_dict(state_dict)
+    except RuntimeError as err:
+        first = str(err).splitlines()[:3]
+        raise UserError(
+            f"checkpoint '{path}' does not fit this model: {' '.join(first)}",
+            "resume with the [model] options the run was started with (see config.toml in the checkpoint), "
+            "or use a new run.dir.",
+        ) from None

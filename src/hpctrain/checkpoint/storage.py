@@ -1,0 +1,196 @@
+"""On-disk checkpoint format.
+
+    RUN_DIR/checkpoints/
+        step_00000120/           one directory per save
+            model.pt ...         torch.save files (loaded with weights_only=True)
+            state.json           step, epoch, data position, world size
+            config.toml          the resolved config of the run that saved it
+            manifest.json        written last: schema, sizes and sha256 of every file
+        latest                   name of the newest complete checkpoint, written after it
+
+A save is written into a hidden temporary directory and renamed into place only
+after every file and the manifest are on disk, then ``latest`` is replaced
+atomically. A checkpoint is valid only if its manifest exists and every file has
+the recorded size and checksum, so a crash, a full disk or a truncated copy is
+detected on load and the previous checkpoint is used instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from hpctrain.atomic import atomic_write_text, fsync_dir
+from hpctrain.errors import UserError
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+PREFIX = "step_"
+TMP_PREFIX = ".tmp-"
+
+
+def step_dir_name(step: int) -> str:
+    return f"{PREFIX}{step:08d}"
+
+
+class _HashingWriter:
+    """File wrapper that hashes what torch.save writes, so the checksum costs no second read."""
+
+    def __init__(self, f) -> None:
+        self.f, self.sha, self.size = f, hashlib.sha256(), 0
+
+    def write(self, b) -> int:
+        self.sha.update(b)
+        self.size += len(b)
+        return self.f.write(b)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _write_file(path: Path, payload: Any) -> dict[str, Any]:
+    with open(path, "wb") as f:
+        w = _HashingWriter(f)
+        if isinstance(payload, (bytes, str)):
+            w.write(payload.encode() if isinstance(payload, str) else payload)
+        else:
+            torch.save(payload, w)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"bytes": w.size, "sha256": w.sha.hexdigest()}
+
+
+def write_checkpoint(root: Path, step: int, files: Mapping[str, Any], meta: Mapping[str, Any]) -> Path:
+    """Write one checkpoint; returns its directory. ``files`` maps file names to objects for
+    torch.save, or to str/bytes written as they are. Raises OSError with the previous checkpoint intact."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / step_dir_name(step)
+    tmp = root / f"{TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        entries = {name: _write_file(tmp / name, payload) for name, payload in files.items()}
+        manifest = {"schema": SCHEMA_VERSION, "step": step, "created": time.time(), **meta, "files": entries}
+        _write_file(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+        fsync_dir(tmp)
+        _replace_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    atomic_write_text(root / LATEST, final.name + "\n")
+    return final
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    old = None
+    if final.exists():  # the same step saved again (e.g. after a resume): swap, then drop the old one
+        old = final.with_name(f"{TMP_PREFIX}old-{final.name}-{uuid.uuid4().hex[:8]}")
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class Checked:
+    path: Path
+    manifest: dict[str, Any] | None
+    problem: str  # '' when valid
+
+    @property
+    def valid(self) -> bool:
+        return not self.problem
+
+
+def check_checkpoint(path: Path, verify_checksums: bool = True) -> Checked:
+    """Is this checkpoint directory complete and intact? Says what is wrong when not."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        return Checked(path, None, "no manifest (the save did not finish)")
+    except (OSError, ValueError) as err:
+        return Checked(path, None, f"unreadable manifest ({err})")
+    if manifest.get("schema") != SCHEMA_VERSION:
+        return Checked(path, manifest, f"schema version {manifest.get('schema')} (this hpctrain reads {SCHEMA_VERSION})")
+    for name, entry in manifest.get("files", {}).items():
+        problem = _check_file(path / name, entry, verify_checksums)
+        if problem:
+            return Checked(path, manifest, f"{name}: {problem}")
+    return Checked(path, manifest, "")
+
+
+def _check_file(path: Path, entry: Mapping[str, Any], verify_checksums: bool) -> str:
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return "missing"
+    if size != entry["bytes"]:
+        return f"{size} bytes, expected {entry['bytes']} (truncated or replaced)"
+    if verify_checksums:
+        sha = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                sha.update(block)
+        if sha.hexdigest() != entry["sha256"]:
+            return "checksum mismatch (corrupted)"
+    return ""
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Checkpoint directories, newest step first."""
+    if not root.is_dir():
+        return []
+    dirs = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()]
+    return sorted(dirs, key=lambda p: int(p.name[len(PREFIX):]), reverse=True)
+
+
+def find_latest_valid(root: Path, verify_checksums: bool = True) -> tuple[Checked | None, list[Checked]]:
+    """The newest valid checkpoint (the ``latest`` pointer first) and the ones skipped on the way."""
+    candidates = list_checkpoints(root)
+    pointed = _read_latest(root)
+    if pointed is not None and pointed in candidates:
+        candidates.remove(pointed)
+        candidates.insert(0, pointed)
+    skipped: list[Checked] = []
+    for path in candidates:
+        checked = check_checkpoint(path, verify_checksums)
+        if checked.valid:
+            return checked, skipped
+        skipped.append(checked)
+    return None, skipped
+
+
+def _read_latest(root: Path) -> Path | None:
+    try:
+        name = (root / LATEST).read_text().strip()
+    except OSError:
+        return None
+    return root / name if name.startswith(PREFIX) else None
+
+
+def load_file(path: Path, name: str) -> Any:
+    """torch.load with weights_only=True: a checkpoint cannot run code on load."""
+    try:
+        return torch.load(path / name, map_location="cpu", weights_only=True)
+    except Exception as err:  # unpickling errors have many types; all mean the same to the user
+        raise UserError(
+            f"cannot load {name} from checkpoint '{path}': {err}",
+            "the file passed its checksum, so it was written by another hpctrain/torch version or by hand; "
+            "resume from another checkpoint (ckpt.resume=PATH) or start a new run.dir.",
+        ) from None
+
+
+def remove_stale_temporaries(root: Path) -> None:
+    """Half-written saves of crashed runs: never valid, safe to drop."""
+    for p in root.glob(f"{TMP_PREFIX}*"):
+        shutil.rmtree(p, ignore_errors=True)

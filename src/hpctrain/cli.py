@@ -1,0 +1,111 @@
+"""The `hpctrain` command: parse, delegate, turn errors into messages. No logic of its own."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+from hpctrain import __version__
+from hpctrain.errors import UserError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hpctrain",
+        description="Distributed PyTorch training for Slurm clusters: exact data order and metrics, "
+        "resumable checkpoints.",
+    )
+    parser.add_argument("--version", action="version", version=f"hpctrain {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    train = sub.add_parser("train", help="train an experiment (locally, or inside torchrun/srun)")
+    _add_run_args(train)
+    train.add_argument(
+        "--nproc-per-node", type=int, default=0, metavar="N",
+        help="start N local processes through torchrun (ignored when already launched by torchrun or srun)",
+    )
+    train.add_argument(
+        "--resume", metavar="auto|never|PATH",
+        help="shortcut for ckpt.resume=...: continue from the run dir's latest checkpoint (auto, the default), "
+        "refuse a run dir with checkpoints (never), or start from a checkpoint directory",
+    )
+    train.set_defaults(func=_train)
+
+    config = sub.add_parser("config", help="print the resolved config as TOML, or --describe every key")
+    _add_run_args(config)
+    config.add_argument("--describe", action="store_true", help="list every key with its type, default and meaning")
+    config.set_defaults(func=_config)
+
+    experiments = sub.add_parser("experiments", help="list the built-in experiments")
+    experiments.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    experiments.set_defaults(func=_experiments)
+    return parser
+
+
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("experiment", help="built-in experiment name (see 'hpctrain experiments') or package.module:Class")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.max_steps=200")
+    p.add_argument("--config", dest="config_file", metavar="FILE", help="TOML config file (below key=value overrides)")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def _train(args: argparse.Namespace) -> int:
+    from hpctrain.train.entry import TrainRequest, train_command
+
+    overrides = tuple(args.overrides) + ((f"ckpt.resume={args.resume}",) if args.resume else ())
+    if args.nproc_per_node < 0:
+        raise UserError(f"--nproc-per-node must be positive, got {args.nproc_per_node}")
+    return train_command(TrainRequest(args.experiment, args.config_file, overrides, args.nproc_per_node, args.debug))
+
+
+def _config(args: argparse.Namespace) -> int:
+    from hpctrain.config.describe import describe_keys
+    from hpctrain.config.load import config_to_toml
+    from hpctrain.train.entry import resolve
+
+    cls, cfg = resolve(args.experiment, args.config_file, tuple(args.overrides))
+    print(describe_keys(cfg) if args.describe else config_to_toml(cfg), end="")
+    return 0
+
+
+def _experiments(args: argparse.Namespace) -> int:
+    from hpctrain.experiments import list_experiments, resolve_experiment
+
+    for name in list_experiments():
+        doc = (sys.modules[resolve_experiment(name).__module__].__doc__ or "").strip().splitlines()
+        print(f"{name:12s} {doc[0] if doc else ''}")
+    return 0
+
+
+def _rank_prefix() -> str:
+    rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID")
+    return f"[rank {rank}] " if rank not in (None, "0") else ""
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    # key=value items may stand before or after options; argparse alone would reject
+    # those after an option, so leftovers of that form are added to the overrides.
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    stray = [e for e in extra if e.startswith("-") or "=" not in e or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(argv)
+    try:
+        return args.func(args)
+    except UserError as err:
+        if args.debug:
+            raise
+        print(f"hpctrain: error: {_rank_prefix()}{err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hpctrain: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,23 @@
+"""`hpctrain config EXP --describe`: every key with its type, current value and docstring."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+from hpctrain.config.load import _describe, section_classes
+from hpctrain.config.schema import RunConfig, field_docs
+
+
+def describe_keys(cfg: RunConfig) -> str:
+    lines = []
+    for section, cls in section_classes(type(cfg.model)).items():
+        hints = typing.get_type_hints(cls)
+        docs = field_docs(cls)
+        lines.append(f"[{section}]")
+        for f in dataclasses.fields(cls):
+            value = getattr(getattr(cfg, section), f.name)
+            lines.append(f"  {section}.{f.name} = {value!r}  ({_describe(hints[f.name])})")
+            lines.append(f"      {docs.get(f.name, '')}")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,197 @@
+"""Config sources, lowest to highest: defaults < experiment defaults < TOML file < key=value overrides.
+
+Strict: an unknown section or key, a value of the wrong type or outside its
+choices is an error that names the key and suggests the closest valid one. We
+do not use a dataclass-to-CLI library (tyro, simple-parsing) because the CLI
+form users asked for is ``key=value`` after the positional experiment name,
+TOML-compatible, with the same error text for the file and the command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import typing
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import tomli_w
+
+from hpctrain.config.schema import SECTIONS, ConfigError, RunConfig
+from hpctrain.errors import UserError, did_you_mean
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DESCRIBE_HINT = "run 'hpctrain config EXPERIMENT --describe' to list every key with its meaning."
+
+
+@dataclasses.dataclass(frozen=True)
+class _Value:
+    value: Any
+    source: str  # "command line", a file path, or "experiment defaults"
+    raw: str | None = None  # the text as typed on the command line
+
+
+def section_classes(model_class: type) -> dict[str, type]:
+    return {**SECTIONS, "model": model_class}
+
+
+def valid_keys(model_class: type) -> list[str]:
+    return [
+        f"{name}.{f.name}"
+        for name, cls in section_classes(model_class).items()
+        for f in dataclasses.fields(cls)
+    ]
+
+
+def load_config(
+    experiment: str,
+    model_class: type,
+    *,
+    experiment_defaults: Mapping[str, Any] | None = None,
+    config_file: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+) -> RunConfig:
+    """Build the frozen RunConfig from all sources; raises UserError on any bad input."""
+    values: dict[str, _Value] = {}
+    for key, value in (experiment_defaults or {}).items():
+        values[key] = _Value(value, "experiment defaults")
+    if config_file is not None:
+        values.update(_read_toml(Path(config_file), experiment))
+    for item in overrides:
+        key, raw = _split_override(item)
+        values[key] = _Value(None, "command line", raw)
+    return _build(experiment, model_class, values)
+
+
+def _split_override(item: str) -> tuple[str, str]:
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise UserError(
+            f"cannot read the override '{item}': expected key=value",
+            "write overrides as section.key=value, e.g. train.max_steps=200.",
+        )
+    return key.strip(), raw.strip()
+
+
+def _read_toml(path: Path, experiment: str) -> dict[str, _Value]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"config file '{path}' does not exist", "check the path given to --config.") from None
+    except OSError as err:
+        raise UserError(f"cannot read config file '{path}': {err.strerror}", "check its permissions.") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise UserError(f"config file '{path}' is not valid TOML: {err}", "fix the line named above.") from None
+    file_experiment = data.pop("experiment", None)
+    if file_experiment is not None and file_experiment != experiment:
+        raise UserError(
+            f"config file '{path}' is for experiment '{file_experiment}', not '{experiment}'",
+            f"run 'hpctrain train {file_experiment} --config {path}', or use a config written for '{experiment}'.",
+        )
+    values: dict[str, _Value] = {}
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            raise ConfigError(
+                f"config file '{path}': top-level key '{section}' must be a [section] table",
+                "put keys under a section header such as [train].",
+            )
+        for key, value in table.items():
+            values[f"{section}.{key}"] = _Value(value, str(path))
+    return values
+
+
+def _build(experiment: str, model_class: type, values: dict[str, _Value]) -> RunConfig:
+    classes = section_classes(model_class)
+    keys = valid_keys(model_class)
+    per_section: dict[str, dict[str, Any]] = {name: {} for name in classes}
+    for dotted, item in values.items():
+        section, _, name = dotted.partition(".")
+        if section not in classes:
+            raise ConfigError(
+                f"unknown config section '{section}' in '{dotted}' (from {item.source}).{did_you_mean(section, classes)}",
+                DESCRIBE_HINT,
+            )
+        hints = typing.get_type_hints(classes[section])
+        if name not in hints or name not in {f.name for f in dataclasses.fields(classes[section])}:
+            raise ConfigError(
+                f"unknown config key '{dotted}' (from {item.source}).{did_you_mean(dotted, keys)}", DESCRIBE_HINT
+            )
+        per_section[section][name] = _coerce(dotted, hints[name], item)
+    sections = {name: cls(**per_section[name]) for name, cls in classes.items()}
+    return RunConfig(experiment=experiment, **sections)
+
+
+def _coerce(key: str, typ: Any, item: _Value) -> Any:
+    value = item.value
+    if item.raw is not None:
+        value = _parse_raw(item.raw, typ)
+    ok, converted = _check(typ, value)
+    if not ok:
+        shown = item.raw if item.raw is not None else repr(value)
+        raise ConfigError(
+            f"config key '{key}' expects {_describe(typ)}, got {shown} (from {item.source})",
+            DESCRIBE_HINT,
+        )
+    return converted
+
+
+def _parse_raw(raw: str, typ: Any) -> Any:
+    """Command-line text to a value: strings stay as typed, the rest is read as a TOML value."""
+    if typ is str or (typing.get_origin(typ) is Literal and all(isinstance(a, str) for a in typing.get_args(typ))):
+        return raw
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw  # _check rejects it with the expected type in the message
+
+
+def _check(typ: Any, value: Any) -> tuple[bool, Any]:
+    origin = typing.get_origin(typ)
+    if origin is Literal:
+        return value in typing.get_args(typ), value
+    if typ is bool:
+        return isinstance(value, bool), value
+    if typ is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if typ is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok, float(value) if ok else value
+    if typ is str:
+        return isinstance(value, str), value
+    if origin is tuple:
+        args = typing.get_args(typ)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            return False, value
+        checked = [_check(a, v) for a, v in zip(args, value)]
+        return all(ok for ok, _ in checked), tuple(v for _, v in checked)
+    raise TypeError(f"unsupported config field type {typ!r}")  # a schema bug, not user input
+
+
+def _describe(typ: Any) -> str:
+    origin = typing.get_origin(typ)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(typ))
+    if origin is tuple:
+        return f"a list of {len(typing.get_args(typ))} values such as [0.9, 0.999]"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[typ]
+
+
+def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
+    out: dict[str, Any] = {"experiment": cfg.experiment}
+    for f in dataclasses.fields(cfg):
+        if f.name == "experiment":
+            continue
+        section = dataclasses.asdict(getattr(cfg, f.name))
+        out[f.name] = {k: list(v) if isinstance(v, tuple) else v for k, v in section.items()}
+    return out
+
+
+def config_to_toml(cfg: RunConfig) -> str:
+    """The resolved config as TOML; ``load_config(..., config_file=...)`` reads it back to an equal RunConfig."""
+    return tomli_w.dumps(config_to_dict(cfg))

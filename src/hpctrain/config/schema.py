@@ -1,0 +1,245 @@
+"""The run configuration: one frozen, keyword-only dataclass per component.
+
+Every field carries an attribute docstring (the string right below it); they are
+read back by :func:`field_docs` for ``hpctrain config --describe`` and checked by a
+unit test, so a field without one fails CI. Validation here covers what one
+section can know alone; what needs the world size (batch arithmetic) lives in
+``config/batch.py``.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any, Literal
+
+from hpctrain.errors import UserError
+
+
+class ConfigError(UserError, ValueError):
+    """A config value that cannot work; the message names the key."""
+
+
+def _require(ok: bool, key: str, message: str, hint: str = "") -> None:
+    if not ok:
+        raise ConfigError(f"config key '{key}': {message}", hint)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSection:
+    dir: str = ""
+    """Run directory (config, metrics, checkpoints, plots, logs). Empty: runs/<experiment>."""
+    seed: int = 0
+    """Seed of everything: model init, data order (with the epoch), augmentation (with epoch and sample index)."""
+    name: str = ""
+    """Human name of the run, for logs and reports. Empty: the experiment name."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSection:
+    global_batch_size: int = 256
+    """Samples per optimizer step, all ranks together. Fixed when the number of processes changes."""
+    micro_batch_size: int = 32
+    """Samples per rank per forward/backward. Accumulation steps are computed from it, never configured."""
+    max_steps: int = 0
+    """Stop after this many optimizer steps; 0 means run train.epochs full epochs."""
+    epochs: int = 1
+    """Number of passes over the training set (ignored when train.max_steps is set)."""
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """auto: bf16 autocast on GPUs that support it, fp32 otherwise. fp16 uses a GradScaler."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    compile: bool = False
+    """Run torch.compile on the model before wrapping it in DDP."""
+    channels_last: bool = False
+    """Use the channels_last memory format for 4-D inputs and weights (faster convolutions on tensor cores)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimSection:
+    name: Literal["adamw", "sgd"] = "adamw"
+    """Optimizer."""
+    lr: float = 1e-3
+    """Peak learning rate (reached after the warmup)."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (AdamW) or L2 (SGD)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    momentum: float = 0.9
+    """SGD momentum (Nesterov)."""
+    warmup_steps: int = 0
+    """Linear warmup from 0 to optim.lr over this many optimizer steps."""
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Learning-rate decay after warmup, down to optim.lr * optim.min_lr_ratio at the last step."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate as a fraction of optim.lr."""
+    ema_decay: float = 0.0
+    """Keep an exponential moving average of the weights with this decay (e.g. 0.9999); 0 disables it."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSection:
+    augment: bool = True
+    """Apply the experiment's training augmentation. Its randomness comes from (seed, epoch, sample index)."""
+    num_workers: int = -1
+    """Data-loader worker processes per rank; -1 picks from the CPUs this process may use."""
+    pin_memory: bool = True
+    """Pin host memory for faster, asynchronous copies to the GPU (ignored on CPU)."""
+    persistent_workers: bool = True
+    """Keep loader workers alive between epochs instead of restarting them."""
+    prefetch_factor: int = 2
+    """Batches each worker loads ahead."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalSection:
+    every_steps: int = 0
+    """Validate every this many optimizer steps; 0 means at the end of each epoch and of the run."""
+    micro_batch_size: int = 0
+    """Samples per rank per validation forward; 0 means 2 x train.micro_batch_size."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LogSection:
+    every_steps: int = 10
+    """Log the all-reduced train loss, lr and throughput every this many optimizer steps."""
+    progress: Literal["auto", "bar", "lines", "off"] = "auto"
+    """auto: a progress bar on a terminal, plain log lines otherwise (Slurm log files)."""
+    tensorboard: bool = True
+    """Also write TensorBoard event files (when the tensorboard package is installed)."""
+    plots: bool = True
+    """Draw PNG plots of the curves into RUN_DIR/plots at the end of the run."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CkptSection:
+    every_steps: int = 0
+    """Save a checkpoint every this many optimizer steps; 0 saves only at the end."""
+    keep_last: int = 3
+    """Keep this many most recent checkpoints; older ones are deleted after a newer one is complete."""
+    resume: str = "auto"
+    """auto: continue from RUN_DIR's latest valid checkpoint if any; never: refuse a run dir with checkpoints; or a checkpoint directory path."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistSection:
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Process-group backend; auto: nccl with CUDA, gloo without."""
+    timeout_s: int = 600
+    """Collective timeout in seconds: a rank stuck longer than this fails instead of hanging until the wall time."""
+    bucket_cap_mb: int = 25
+    """DDP gradient bucket size in MiB."""
+    find_unused_parameters: bool = False
+    """DDP: allow parameters that get no gradient in a step (costs a graph traversal per step)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class NoModelOptions:
+    """Placeholder [model] section for experiments without options."""
+
+
+SECTIONS: dict[str, type] = {
+    "run": RunSection,
+    "train": TrainSection,
+    "optim": OptimSection,
+    "data": DataSection,
+    "eval": EvalSection,
+    "log": LogSection,
+    "ckpt": CkptSection,
+    "dist": DistSection,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    experiment: str
+    """Registered experiment name or 'package.module:Class'."""
+    run: RunSection = field(default_factory=RunSection)
+    """Run identity and seed."""
+    train: TrainSection = field(default_factory=TrainSection)
+    """Batch sizes, length, precision."""
+    optim: OptimSection = field(default_factory=OptimSection)
+    """Optimizer, learning-rate schedule, EMA."""
+    data: DataSection = field(default_factory=DataSection)
+    """Augmentation and data-loader settings."""
+    eval: EvalSection = field(default_factory=EvalSection)
+    """Validation cadence."""
+    log: LogSection = field(default_factory=LogSection)
+    """Console, metrics.jsonl, TensorBoard, plots."""
+    ckpt: CkptSection = field(default_factory=CkptSection)
+    """Checkpoint cadence, retention and resume."""
+    dist: DistSection = field(default_factory=DistSection)
+    """torch.distributed settings."""
+    model: Any = field(default_factory=NoModelOptions)
+    """The experiment's own options (its config_class)."""
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    @property
+    def run_dir(self) -> str:
+        return self.run.dir or f"runs/{self.experiment.replace(':', '_').replace('.', '_')}"
+
+    @property
+    def run_name(self) -> str:
+        return self.run.name or self.experiment
+
+
+def validate(cfg: RunConfig) -> None:
+    """Checks of single values and of pairs within a section."""
+    t, o = cfg.train, cfg.optim
+    _require(t.global_batch_size > 0, "train.global_batch_size", f"must be positive, got {t.global_batch_size}")
+    _require(t.micro_batch_size > 0, "train.micro_batch_size", f"must be positive, got {t.micro_batch_size}")
+    _require(
+        t.global_batch_size % t.micro_batch_size == 0,
+        "train.global_batch_size",
+        f"{t.global_batch_size} is not a multiple of train.micro_batch_size={t.micro_batch_size}",
+        "make the global batch a multiple of the micro batch.",
+    )
+    _require(t.max_steps >= 0, "train.max_steps", "must be >= 0 (0 means: use train.epochs)")
+    _require(t.epochs > 0 or t.max_steps > 0, "train.epochs", "must be positive when train.max_steps is 0")
+    _require(t.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
+    _require(o.lr > 0, "optim.lr", f"must be positive, got {o.lr}")
+    _require(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+    _require(all(0 <= b < 1 for b in o.betas), "optim.betas", f"each beta must be in [0, 1), got {list(o.betas)}")
+    _require(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+    _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
+    _require(0 <= o.ema_decay < 1, "optim.ema_decay", "must be in [0, 1); 0 disables EMA")
+    _require(cfg.data.num_workers >= -1, "data.num_workers", "must be >= 0, or -1 for automatic")
+    _require(cfg.data.prefetch_factor > 0, "data.prefetch_factor", "must be positive")
+    _require(cfg.eval.every_steps >= 0, "eval.every_steps", "must be >= 0")
+    _require(cfg.eval.micro_batch_size >= 0, "eval.micro_batch_size", "must be >= 0")
+    _require(cfg.log.every_steps > 0, "log.every_steps", "must be positive")
+    _require(cfg.ckpt.every_steps >= 0, "ckpt.every_steps", "must be >= 0 (0: only at the end)")
+    _require(cfg.ckpt.keep_last >= 1, "ckpt.keep_last", "must be >= 1: the latest checkpoint is always kept")
+    _require(cfg.dist.timeout_s > 0, "dist.timeout_s", "must be positive")
+    _require(cfg.dist.bucket_cap_mb > 0, "dist.bucket_cap_mb", "must be positive")
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings of a dataclass, read from its source."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = nxt.value.value
+    return docs
+
+
+def section_fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}

@@ -1,0 +1,1 @@
+"""Data order, sampling and loading."""

@@ -1,0 +1,51 @@
+"""Experiments by name, or any user class by 'package.module:Class'.
+
+Built-ins are import paths, not imports, so naming one experiment never imports the
+others' dependencies.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from hpctrain.errors import UserError, did_you_mean
+from hpctrain.experiments.base import Experiment
+
+BUILTIN: dict[str, str] = {
+    "digits": "hpctrain.experiments.digits:DigitsExperiment",
+}
+
+
+def list_experiments() -> list[str]:
+    return sorted(BUILTIN)
+
+
+def resolve_experiment(name: str) -> type[Experiment]:
+    target = BUILTIN.get(name, name)
+    if ":" not in target:
+        raise UserError(
+            f"unknown experiment '{name}'.{did_you_mean(name, BUILTIN)}",
+            f"built-in experiments: {', '.join(list_experiments())}; or give your own as 'package.module:Class'.",
+        )
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name and module_name.startswith(err.name):
+            raise UserError(
+                f"cannot import module '{module_name}' for experiment '{name}'",
+                "check the spelling, and that the module is on PYTHONPATH or installed.",
+            ) from None
+        raise UserError(
+            f"experiment '{name}' needs the package '{err.name}', which is not installed",
+            f"install it (e.g. pip install {err.name}).",
+        ) from None
+    cls = getattr(module, attr, None)
+    if cls is None:
+        raise UserError(f"module '{module_name}' has no attribute '{attr}'", "check the name after the ':'.")
+    if not (isinstance(cls, type) and issubclass(cls, Experiment)):
+        raise UserError(
+            f"'{target}' is not an hpctrain Experiment subclass",
+            "subclass hpctrain.experiments.Experiment and implement build_model, build_datasets, train_loss.",
+        )
+    return cls

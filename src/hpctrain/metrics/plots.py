@@ -1,0 +1,47 @@
+"""PNG plots of a run's curves (matplotlib, no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hpctrain.metrics.records import series
+
+_SKIP = {"step", "split", "time", "epoch", "loss", "lr", "samples_per_s", "eta_s", "grad_norm"}
+
+
+def plot_training(records: list[dict[str, Any]], out: Path, title: str = "") -> Path:
+    """One figure with loss, validation metrics, learning rate and throughput."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
+    ax = axes[0, 0]
+    for split, style in (("train", "-"), ("val", "o-")):
+        x, y = series(records, split, "loss")
+        if x:
+            ax.plot(x, y, style, label=f"{split} loss", markersize=3)
+    ax.set(title="loss (mean over all ranks)", xlabel="optimizer step", yscale="log")
+    ax.legend()
+    ax = axes[0, 1]
+    val_keys = sorted({k for r in records if r["split"] == "val" for k in r if k not in _SKIP})
+    for key in val_keys:
+        x, y = series(records, "val", key)
+        ax.plot(x, y, "o-", label=key, markersize=3)
+        if y:
+            ax.annotate(f"{y[-1]:.4g}", (x[-1], y[-1]), textcoords="offset points", xytext=(-10, 6))
+    ax.set(title="validation metrics", xlabel="optimizer step")
+    if val_keys:
+        ax.legend()
+    for ax, key, label in ((axes[1, 0], "lr", "learning rate"), (axes[1, 1], "samples_per_s", "samples/s (all ranks)")):
+        x, y = series(records, "train", key)
+        ax.plot(x, y, "-")
+        ax.set(title=label, xlabel="optimizer step")
+    if title:
+        fig.suptitle(title)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -1,0 +1,121 @@
+"""Where metric records go: metrics.jsonl, the console, TensorBoard.
+
+A record is a flat dict: ``step`` (optimizer step), ``split`` ('train' or 'val'),
+``time`` (Unix seconds) and numbers such as ``loss``, ``lr``, ``samples_per_s``,
+``accuracy``. Only global rank 0 builds real sinks; other ranks get a logger
+with none, so call sites need no rank checks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+log = logging.getLogger("hpctrain")
+
+
+class Sink(Protocol):
+    def write(self, record: dict[str, Any]) -> None: ...
+    def close(self) -> None: ...
+
+
+class JsonlSink:
+    """One JSON object per line, flushed per line so a killed job keeps what it logged."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = open(path, "a", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.file.write(json.dumps(record, sort_keys=True) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class TensorBoardSink:
+    def __init__(self, log_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def write(self, record: dict[str, Any]) -> None:
+        for key, value in record.items():
+            if key not in ("step", "split", "time", "epoch") and isinstance(value, (int, float)):
+                self.writer.add_scalar(f"{record['split']}/{key}", value, record["step"])
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def format_record(record: dict[str, Any], total_steps: int) -> str:
+    parts = [f"step {record['step']}/{total_steps}", record["split"]]
+    for key in sorted(k for k in record if k not in ("step", "split", "time", "eta_s")):
+        value = record[key]
+        parts.append(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}")
+    if "eta_s" in record:
+        parts.append(f"eta {datetime.timedelta(seconds=round(record['eta_s']))}")
+    return " | ".join(parts)
+
+
+class ConsoleSink:
+    """A tqdm bar on a terminal; plain lines otherwise (a Slurm log file is not a terminal,
+    and a bar's carriage returns make it unreadable)."""
+
+    def __init__(self, mode: str, total_steps: int, start_step: int) -> None:
+        self.total = total_steps
+        self.bar = None
+        if mode == "bar":
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.bar is not None and record["split"] == "train":
+            self.bar.n = record["step"]
+            self.bar.set_postfix(loss=f"{record['loss']:.4g}", samples_s=f"{record.get('samples_per_s', 0):.0f}")
+            return
+        line = format_record(record, self.total)
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            log.info(line)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class MetricsLogger:
+    def __init__(self, sinks: list[Sink]) -> None:
+        self.sinks = sinks
+
+    def log(self, record: dict[str, Any]) -> None:
+        record = {"time": time.time(), **record}
+        for sink in self.sinks:
+            sink.write(record)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+def build_metrics_logger(
+    is_main: bool, run_dir: Path, progress: str, tensorboard: bool, total_steps: int, start_step: int, tty: bool
+) -> MetricsLogger:
+    if not is_main:
+        return MetricsLogger([])
+    sinks: list[Sink] = [JsonlSink(run_dir / "metrics.jsonl")]
+    if progress != "off":
+        mode = progress if progress != "auto" else ("bar" if tty else "lines")
+        sinks.append(ConsoleSink(mode, total_steps, start_step))
+    if tensorboard:
+        try:
+            sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+        except ImportError:
+            log.info("tensorboard is not installed; skipping TensorBoard event files (pip install tensorboard)")
+    return MetricsLogger(sinks)

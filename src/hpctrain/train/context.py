@@ -1,0 +1,55 @@
+"""Everything the loop needs, built once by train/run.py and passed to the loop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from hpctrain.checkpoint.manager import Checkpointer
+from hpctrain.config.batch import BatchPlan
+from hpctrain.config.schema import RunConfig
+from hpctrain.data.sampler import StepBatchSampler
+from hpctrain.dist.runtime import Runtime
+from hpctrain.experiments.base import Experiment
+from hpctrain.metrics.sinks import MetricsLogger
+from hpctrain.train.precision import Precision
+from hpctrain.train.state import TrainState
+
+
+@dataclass
+class TrainContext:
+    cfg: RunConfig
+    runtime: Runtime
+    experiment: Experiment
+    plan: BatchPlan
+    model: nn.Module
+    """What forward/backward run on: compiled and DDP-wrapped as configured."""
+    raw_model: nn.Module
+    """The plain module: checkpoints and evaluation."""
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: torch.amp.GradScaler
+    ema: nn.Module | None
+    precision: Precision
+    sampler: StepBatchSampler
+    train_loader: DataLoader
+    val_loader: DataLoader | None
+    state: TrainState
+    total_steps: int
+    checkpointer: Checkpointer
+    metrics: MetricsLogger = field(default_factory=lambda: MetricsLogger([]))
+    """Replaced once the start step is known (after restore); silent until then."""
+
+    def stateful(self) -> dict[str, Any]:
+        """What a checkpoint holds besides the train state and RNG."""
+        return {
+            "model": self.raw_model,
+            "optimizer": self.optimizer,
+            "scheduler": self.scheduler,
+            "scaler": self.scaler,
+            "ema": self.ema,
+        }

@@ -1,0 +1,84 @@
+"""`hpctrain train`: resolve the config, check it for this world size, then train here or launch torchrun."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpctrain.checkpoint.manager import select_checkpoint
+from hpctrain.config import config_to_toml, load_config, plan_batches
+from hpctrain.config.schema import RunConfig
+from hpctrain.dist.env import LaunchInfo, detect_launch
+from hpctrain.dist.launcher import run_forwarding_signals, torchrun_command
+from hpctrain.dist.runtime import distributed_session
+from hpctrain.experiments import Experiment, resolve_experiment
+from hpctrain.logs import setup_logging
+from hpctrain.train.rundir import ensure_writable
+
+log = logging.getLogger("hpctrain")
+
+
+@dataclass(frozen=True)
+class TrainRequest:
+    experiment: str
+    """Experiment name or module:Class."""
+    config_file: str | None
+    """--config FILE."""
+    overrides: tuple[str, ...]
+    """key=value items."""
+    nproc_per_node: int
+    """--nproc-per-node; 0 when not given."""
+    debug: bool
+    """--debug."""
+
+    def module_args(self) -> list[str]:
+        """The same request for the workers that torchrun starts (without --nproc-per-node)."""
+        args = ["train", self.experiment]
+        if self.config_file:
+            args += ["--config", str(Path(self.config_file).resolve())]
+        return args + list(self.overrides) + (["--debug"] if self.debug else [])
+
+
+def resolve(experiment: str, config_file: str | None, overrides: tuple[str, ...]) -> tuple[type[Experiment], RunConfig]:
+    cls = resolve_experiment(experiment)
+    cfg = load_config(
+        experiment, cls.config_class, experiment_defaults=cls.defaults, config_file=config_file, overrides=overrides
+    )
+    return cls, cfg
+
+
+def preflight(cfg: RunConfig, world_size: int) -> None:
+    """What can be known wrong before any process starts: batch arithmetic, run dir, checkpoint."""
+    plan_batches(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
+    run_dir = Path(cfg.run_dir)
+    ensure_writable(run_dir)
+    # Cheap checks only (the workers verify checksums before loading).
+    select_checkpoint(run_dir / "checkpoints", cfg.ckpt.resume, cfg.experiment, verify_checksums=False)
+
+
+def train_command(req: TrainRequest) -> int:
+    cls, cfg = resolve(req.experiment, req.config_file, req.overrides)
+    launch = detect_launch()
+    if launch.launcher == "single" and req.nproc_per_node > 1:
+        setup_logging(debug=req.debug)
+        preflight(cfg, req.nproc_per_node)
+        log.info("starting %d processes with torchrun", req.nproc_per_node)
+        return run_forwarding_signals(torchrun_command(req.nproc_per_node, req.module_args()))
+    return _train_here(cls, cfg, launch, req)
+
+
+def _train_here(cls: type[Experiment], cfg: RunConfig, launch: LaunchInfo, req: TrainRequest) -> int:
+    setup_logging(launch.rank, launch.world_size, launch.hostname, req.debug)
+    if req.nproc_per_node and launch.launcher != "single" and req.nproc_per_node != launch.local_world_size:
+        log.warning(
+            "--nproc-per-node=%d ignored: already launched by %s with %d processes on this node",
+            req.nproc_per_node, launch.launcher, launch.local_world_size,
+        )
+    # Every rank checks (cheap, same verdict everywhere), so no rank waits in the rendezvous for a peer that quit.
+    preflight(cfg, launch.world_size)
+    from hpctrain.train.run import run_training  # the heavy imports only where training happens
+
+    with distributed_session(launch, cfg.dist) as runtime:
+        run_training(cfg, runtime, cls(cfg), config_to_toml(cfg))
+    return 0

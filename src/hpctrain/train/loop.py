@@ -1,0 +1,119 @@
+"""The training loop. Read top to bottom: one optimizer step, then what happens after it."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Iterator
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hpctrain.checkpoint.policy import save_due
+from hpctrain.dist.collectives import all_reduce_sums
+from hpctrain.train.context import TrainContext
+from hpctrain.train.device import to_device
+from hpctrain.train.evaluate import evaluate
+
+
+def train(ctx: TrainContext) -> dict[str, float]:
+    """Run until ctx.total_steps; returns the last validation metrics."""
+    window = _Window(ctx.state.step)
+    last_val: dict[str, float] = {}
+    while ctx.state.step < ctx.total_steps:
+        # The sampler restarts at the saved position; set before iter() because loader
+        # workers never see the sampler, only the indices it yields in this process.
+        ctx.sampler.set_position(ctx.state.epoch, ctx.state.step_in_epoch)
+        batches = iter(ctx.train_loader)
+        epoch = ctx.state.epoch
+        while ctx.state.step < ctx.total_steps and ctx.state.epoch == epoch:
+            loss, grad_norm = optimizer_step(ctx, batches)
+            ctx.state.advance(ctx.plan.global_batch_size, ctx.sampler.steps_per_epoch)
+            window.add(loss, grad_norm)
+            last_val = after_step(ctx, window, epoch_ended=ctx.state.epoch != epoch) or last_val
+    return last_val
+
+
+def optimizer_step(ctx: TrainContext, batches: Iterator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One optimizer step over grad_accum micro-batches; returns this rank's mean loss (on device, no sync)."""
+    model, accum = ctx.model, ctx.plan.grad_accum
+    model.train()
+    loss_sum = torch.zeros((), device=ctx.runtime.device)
+    for micro in range(accum):
+        batch = to_device(next(batches), ctx.runtime.device, ctx.cfg.train.channels_last)
+        # DDP all-reduces gradients during backward; before the last micro-step that work
+        # would be thrown away, so no_sync keeps the gradients local until then.
+        last = micro == accum - 1
+        sync = contextlib.nullcontext() if last or not isinstance(model, DDP) else model.no_sync()
+        with sync:
+            with ctx.precision.autocast():
+                loss = ctx.experiment.train_loss(model, batch)
+            # loss is a micro-batch mean; / accum makes the accumulated gradient this rank's mean,
+            # and DDP averages over ranks: the gradient of the mean over the global batch.
+            ctx.scaler.scale(loss / accum).backward()
+        loss_sum += loss.detach().float()
+    grad_norm = None
+    if ctx.cfg.train.grad_clip > 0:
+        ctx.scaler.unscale_(ctx.optimizer)  # clip the true gradient, not the fp16-scaled one
+        grad_norm = torch.nn.utils.clip_grad_norm_(ctx.raw_model.parameters(), ctx.cfg.train.grad_clip)
+    ctx.scaler.step(ctx.optimizer)
+    ctx.scaler.update()
+    ctx.optimizer.zero_grad(set_to_none=True)
+    ctx.scheduler.step()
+    if ctx.ema is not None:
+        ctx.ema.update_parameters(ctx.raw_model)
+    return loss_sum / accum, grad_norm
+
+
+def after_step(ctx: TrainContext, window: "_Window", epoch_ended: bool) -> dict[str, float] | None:
+    step, total, cfg = ctx.state.step, ctx.total_steps, ctx.cfg
+    if step % cfg.log.every_steps == 0 or step == total:
+        log_train(ctx, window)
+    val = None
+    every = cfg.eval.every_steps
+    if ctx.val_loader is not None and (step == total or (every and step % every == 0) or (not every and epoch_ended)):
+        val = evaluate(ctx)
+        ctx.metrics.log({"step": step, "split": "val", "epoch": ctx.state.epoch, **val})
+    if save_due(step, total, cfg.ckpt.every_steps):
+        ctx.checkpointer.save(ctx.state, ctx.stateful())
+    return val
+
+
+def log_train(ctx: TrainContext, window: "_Window") -> None:
+    """The logged loss is the mean over all ranks and all steps since the last log: one all-reduce, only here."""
+    stats = {"loss": window.loss_sum, "n": float(window.steps)}
+    sums = all_reduce_sums(stats, ctx.runtime)
+    now = time.perf_counter()
+    elapsed = now - window.started
+    steps = ctx.state.step - window.first_step
+    record = {
+        "step": ctx.state.step,
+        "split": "train",
+        "epoch": ctx.state.epoch,
+        "loss": sums["loss"] / sums["n"],
+        "lr": ctx.scheduler.get_last_lr()[0],
+        "samples_per_s": steps * ctx.plan.global_batch_size / elapsed,
+        "eta_s": (ctx.total_steps - ctx.state.step) * elapsed / max(steps, 1),
+    }
+    if window.grad_norm is not None:
+        record["grad_norm"] = float(window.grad_norm)
+    ctx.metrics.log(record)
+    window.reset(ctx.state.step)
+
+
+class _Window:
+    """Loss and time since the last log line; stays on the device until log_train."""
+
+    def __init__(self, step: int) -> None:
+        self.reset(step)
+
+    def reset(self, step: int) -> None:
+        self.first_step, self.started = step, time.perf_counter()
+        self.loss_sum: torch.Tensor | float = 0.0
+        self.steps = 0
+        self.grad_norm: torch.Tensor | None = None
+
+    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
+        self.loss_sum = self.loss_sum + loss
+        self.steps += 1
+        self.grad_norm = grad_norm

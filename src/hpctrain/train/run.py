@@ -1,0 +1,128 @@
+"""Assemble a run from its config and the runtime, restore it, train, finish."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from hpctrain.checkpoint.manager import Checkpointer
+from hpctrain.config.batch import plan_batches
+from hpctrain.config.schema import RunConfig
+from hpctrain.data.loader import KeyedDataset, build_loader
+from hpctrain.data.sampler import EvalBatchSampler, StepBatchSampler
+from hpctrain.dist.collectives import barrier
+from hpctrain.dist.env import stdout_is_terminal
+from hpctrain.dist.runtime import Runtime
+from hpctrain.dist.wrap import unwrap_model, wrap_model
+from hpctrain.experiments.base import Experiment
+from hpctrain.metrics.plots import plot_training
+from hpctrain.metrics.records import read_metrics
+from hpctrain.metrics.sinks import build_metrics_logger
+from hpctrain.train import loop
+from hpctrain.train.context import TrainContext
+from hpctrain.train.ema import build_ema
+from hpctrain.train.optim import build_optimizer, build_scheduler
+from hpctrain.train.precision import resolve_precision
+from hpctrain.train.rng import seed_everything, seed_rank_streams
+from hpctrain.train.rundir import prepare_run_dir
+from hpctrain.train.state import TrainState
+
+log = logging.getLogger("hpctrain")
+
+
+def build_context(cfg: RunConfig, runtime: Runtime, experiment: Experiment, config_text: str) -> TrainContext:
+    run_dir = Path(cfg.run_dir)
+    plan = plan_batches(cfg.train.global_batch_size, cfg.train.micro_batch_size, runtime.world_size)
+    # Same seed on every rank for the model's initial weights (DDP would broadcast rank 0's
+    # anyway, but a one-process run must start from the same weights as an N-process one).
+    seed_everything(cfg.run.seed)
+    data = experiment.build_datasets()
+    model = experiment.build_model()
+    seed_rank_streams(cfg.run.seed, runtime.rank)
+    sampler = StepBatchSampler(len(data.train), plan, runtime.rank, cfg.run.seed)
+    transform = data.train_transform if cfg.data.augment else None
+    train_loader = build_loader(KeyedDataset(data.train, transform, cfg.run.seed), sampler, cfg.data, runtime)
+    val_loader = None
+    if data.val is not None:
+        eval_batch = cfg.eval.micro_batch_size or 2 * cfg.train.micro_batch_size
+        val_sampler = EvalBatchSampler(len(data.val), eval_batch, runtime.rank, runtime.world_size)
+        val_loader = build_loader(data.val, val_sampler, cfg.data, runtime)
+    wrapped = wrap_model(model, cfg, runtime)
+    raw = unwrap_model(wrapped)
+    precision = resolve_precision(cfg.train.precision, runtime.device)
+    optimizer = build_optimizer(raw, cfg.optim, fused=runtime.device.type == "cuda")
+    total_steps = cfg.train.max_steps or cfg.train.epochs * sampler.steps_per_epoch
+    if runtime.is_main:
+        prepare_run_dir(run_dir, config_text)
+    barrier(runtime)
+    return TrainContext(
+        cfg=cfg,
+        runtime=runtime,
+        experiment=experiment,
+        plan=plan,
+        model=wrapped,
+        raw_model=raw,
+        optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, cfg.optim, total_steps),
+        scaler=precision.build_scaler(),
+        ema=build_ema(raw, cfg.optim.ema_decay),
+        precision=precision,
+        sampler=sampler,
+        train_loader=train_loader,
+        val_loader=val_loader,
+        state=TrainState(),
+        total_steps=total_steps,
+        checkpointer=Checkpointer(run_dir, cfg.experiment, runtime, config_text, cfg.ckpt.keep_last),
+    )
+
+
+def run_training(cfg: RunConfig, runtime: Runtime, experiment: Experiment, config_text: str) -> dict[str, float]:
+    started = time.perf_counter()
+    ctx = build_context(cfg, runtime, experiment, config_text)
+    resumed = ctx.checkpointer.restore(cfg.ckpt.resume, ctx.stateful(), cfg.run.seed)
+    if resumed is not None:
+        ctx.state = resumed.state
+    _announce(ctx, resumed)
+    ctx.metrics = build_metrics_logger(
+        runtime.is_main, Path(cfg.run_dir), cfg.log.progress, cfg.log.tensorboard,
+        ctx.total_steps, ctx.state.step, stdout_is_terminal(),
+    )
+    try:
+        final = loop.train(ctx)
+    finally:
+        ctx.metrics.close()
+    if runtime.is_main:
+        _finish(ctx, final, time.perf_counter() - started)
+    barrier(runtime)
+    return final
+
+
+def _announce(ctx: TrainContext, resumed) -> None:
+    if not ctx.runtime.is_main:
+        return
+    p, rt = ctx.plan, ctx.runtime
+    log.info(
+        "%s: %d process(es) on %d node(s), %s/%s, global batch %d = micro %d x %d ranks x %d accumulation, "
+        "%d steps (%d per epoch)",
+        ctx.cfg.run_name, rt.world_size, rt.num_nodes, rt.backend or "single", rt.device.type,
+        p.global_batch_size, p.micro_batch_size, p.world_size, p.grad_accum, ctx.total_steps,
+        ctx.sampler.steps_per_epoch,
+    )
+    if resumed is not None:
+        log.info(
+            "resumed from %s at step %d (epoch %d, step %d of it), saved by %d process(es)",
+            resumed.path, ctx.state.step, ctx.state.epoch, ctx.state.step_in_epoch, resumed.saved_world_size,
+        )
+    if ctx.state.step >= ctx.total_steps:
+        log.info("the run is already complete at step %d; raise train.max_steps or train.epochs to go on", ctx.state.step)
+
+
+def _finish(ctx: TrainContext, final: dict[str, float], seconds: float) -> None:
+    run_dir = Path(ctx.cfg.run_dir)
+    if ctx.cfg.log.plots and (run_dir / "metrics.jsonl").exists():
+        path = plot_training(read_metrics(run_dir / "metrics.jsonl"), run_dir / "plots" / "training.png", ctx.cfg.run_name)
+        log.info("plot: %s", path)
+    ctx.experiment.artifacts(ctx.ema.module if ctx.ema is not None else ctx.raw_model, run_dir)
+    shown = ", ".join(f"{k} {v:.4f}" for k, v in final.items())
+    log.info("done: step %d in %.1f s%s; run dir %s", ctx.state.step, seconds, f"; val {shown}" if shown else "", run_dir)

@@ -1,0 +1,46 @@
+"""The run directory: created and checked before any process starts, written by rank 0 only."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from pathlib import Path
+
+from hpctrain.atomic import atomic_write_text
+from hpctrain.errors import UserError
+
+SUBDIRS = ("checkpoints", "plots", "logs")
+
+
+def ensure_writable(run_dir: Path) -> None:
+    """mkdir -p and prove we can write there, with a message that says what to do when not."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{uuid.uuid4().hex[:8]}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise UserError(
+            f"run directory '{run_dir}' is not writable: {err.strerror or err}",
+            "choose another run.dir (it must be on a file system every node can write), or fix its permissions.",
+        ) from None
+
+
+def write_config(run_dir: Path, config_text: str) -> None:
+    """RUN_DIR/config.toml holds the resolved config. A different earlier one is kept as
+    config.<time>.toml, so a resumed run with changed settings loses nothing."""
+    path = run_dir / "config.toml"
+    if path.exists():
+        old = path.read_text(encoding="utf-8")
+        if old == config_text:
+            return
+        os.replace(path, run_dir / f"config.{time.strftime('%Y%m%d-%H%M%S')}.toml")
+    atomic_write_text(path, config_text)
+
+
+def prepare_run_dir(run_dir: Path, config_text: str) -> None:
+    ensure_writable(run_dir)
+    for name in SUBDIRS:
+        (run_dir / name).mkdir(exist_ok=True)
+    write_config(run_dir, config_text)
