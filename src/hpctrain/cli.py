@@ -22,16 +22,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train an experiment (locally, or inside torchrun/srun)")
     _add_run_args(train)
-    train.add_argument(
-        "--nproc-per-node", type=int, default=0, metavar="N",
-        help="start N local processes through torchrun (ignored when already launched by torchrun or srun)",
-    )
-    train.add_argument(
-        "--resume", metavar="auto|never|PATH",
-        help="shortcut for ckpt.resume=...: continue from the run dir's latest checkpoint (auto, the default), "
-        "refuse a run dir with checkpoints (never), or start from a checkpoint directory",
-    )
-    train.set_defaults(func=_train)
+    _add_launch_args(train)
+    train.set_defaults(func=_train, command_name="train")
+
+    evaluate = sub.add_parser("eval", help="validate a checkpoint (the run dir's latest, or --resume PATH); prints JSON")
+    _add_run_args(evaluate)
+    _add_launch_args(evaluate)
+    evaluate.set_defaults(func=_train, command_name="eval")
 
     config = sub.add_parser("config", help="print the resolved config as TOML, or --describe every key")
     _add_run_args(config)
@@ -42,6 +39,18 @@ def build_parser() -> argparse.ArgumentParser:
     experiments.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     experiments.set_defaults(func=_experiments)
     return parser
+
+
+def _add_launch_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--nproc-per-node", type=int, default=0, metavar="N",
+        help="start N local processes through torchrun (ignored when already launched by torchrun or srun)",
+    )
+    p.add_argument(
+        "--resume", metavar="auto|never|PATH",
+        help="shortcut for ckpt.resume=...: continue from the run dir's latest checkpoint (auto, the default), "
+        "refuse a run dir with checkpoints (never), or start from a checkpoint directory",
+    )
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
@@ -57,7 +66,10 @@ def _train(args: argparse.Namespace) -> int:
     overrides = tuple(args.overrides) + ((f"ckpt.resume={args.resume}",) if args.resume else ())
     if args.nproc_per_node < 0:
         raise UserError(f"--nproc-per-node must be positive, got {args.nproc_per_node}")
-    return train_command(TrainRequest(args.experiment, args.config_file, overrides, args.nproc_per_node, args.debug))
+    request = TrainRequest(
+        args.experiment, args.config_file, overrides, args.nproc_per_node, args.debug, args.command_name
+    )
+    return train_command(request)
 
 
 def _config(args: argparse.Namespace) -> int:

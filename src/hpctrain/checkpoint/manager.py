@@ -122,6 +122,28 @@ class Checkpointer:
 
     def restore(self, resume: str, stateful: Mapping[str, Any], seed: int) -> Resumed | None:
         """Collective: rank 0 picks and verifies the checkpoint, every rank loads it."""
+        path = self._choose(resume)
+        return self._load(path, stateful, seed) if path else None
+
+    def restore_weights(self, resume: str, model: nn.Module) -> Resumed:
+        """Collective: load only the weights to use (the EMA ones when the checkpoint has them)."""
+        path = self._choose(resume)
+        if path is None:
+            raise UserError(
+                f"no checkpoint in '{self.root}'", "train first, or point ckpt.resume (--resume) at a checkpoint directory."
+            )
+        if (path / "ema.pt").exists():
+            # AveragedModel's state dict is {'module.<name>': ..., 'n_averaged': ...}.
+            ema = storage.load_file(path, "ema.pt")
+            weights = {k[len("module."):]: v for k, v in ema.items() if k.startswith("module.")}
+        else:
+            weights = storage.load_file(path, "model.pt")
+        _load_into(model, weights, path)
+        info = json.loads((path / "state.json").read_text())
+        return Resumed(path, TrainState.from_dict(info), int(info["world_size"]))
+
+    def _choose(self, resume: str) -> Path | None:
+        """Rank 0 picks and verifies; the verdict (a path or an error) is broadcast."""
         choice: tuple[str, str] = ("", "")
         if self.runtime.is_main:
             try:
@@ -134,9 +156,7 @@ class Checkpointer:
         path, error = broadcast_object(choice, self.runtime)
         if error:
             raise UserError(error)
-        if not path:
-            return None
-        return self._load(Path(path), stateful, seed)
+        return Path(path) if path else None
 
     def _load(self, path: Path, stateful: Mapping[str, Any], seed: int) -> Resumed:
         info = json.loads((path / "state.json").read_text())

@@ -26,6 +26,7 @@ class ConfigError(UserError, ValueError):
 
 def _require(ok: bool, key: str, message: str, hint: str = "") -> None:
     if not ok:
+        hint = hint or f"set {key}=VALUE on the command line or in the TOML file; 'hpctrain config EXPERIMENT --describe' explains every key."
         raise ConfigError(f"config key '{key}': {message}", hint)
 
 
@@ -49,6 +50,9 @@ class TrainSection:
     """Stop after this many optimizer steps; 0 means run train.epochs full epochs."""
     epochs: int = 1
     """Number of passes over the training set (ignored when train.max_steps is set)."""
+    stop_at_step: int = 0
+    """End this launch after this optimizer step, with a checkpoint, keeping the schedule of the whole run
+    (max_steps/epochs); a later launch resumes. For runs longer than one job allocation. 0: run to the end."""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """auto: bf16 autocast on GPUs that support it, fp32 otherwise. fp16 uses a GradScaler."""
     grad_clip: float = 1.0
@@ -202,6 +206,7 @@ def validate(cfg: RunConfig) -> None:
     )
     _require(t.max_steps >= 0, "train.max_steps", "must be >= 0 (0 means: use train.epochs)")
     _require(t.epochs > 0 or t.max_steps > 0, "train.epochs", "must be positive when train.max_steps is 0")
+    _require(t.stop_at_step >= 0, "train.stop_at_step", "must be >= 0 (0: run to the end)")
     _require(t.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
     _require(o.lr > 0, "optim.lr", f"must be positive, got {o.lr}")
     _require(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")

@@ -44,6 +44,12 @@ class TrainContext:
     metrics: MetricsLogger = field(default_factory=lambda: MetricsLogger([]))
     """Replaced once the start step is known (after restore); silent until then."""
 
+    @property
+    def end_step(self) -> int:
+        """Where this launch stops: the run's last step, or train.stop_at_step when earlier."""
+        stop = self.cfg.train.stop_at_step
+        return min(self.total_steps, stop) if stop else self.total_steps
+
     def stateful(self) -> dict[str, Any]:
         """What a checkpoint holds besides the train state and RNG."""
         return {

@@ -31,10 +31,12 @@ class TrainRequest:
     """--nproc-per-node; 0 when not given."""
     debug: bool
     """--debug."""
+    command: str = "train"
+    """train or eval."""
 
     def module_args(self) -> list[str]:
         """The same request for the workers that torchrun starts (without --nproc-per-node)."""
-        args = ["train", self.experiment]
+        args = [self.command, self.experiment]
         if self.config_file:
             args += ["--config", str(Path(self.config_file).resolve())]
         return args + list(self.overrides) + (["--debug"] if self.debug else [])
@@ -48,11 +50,12 @@ def resolve(experiment: str, config_file: str | None, overrides: tuple[str, ...]
     return cls, cfg
 
 
-def preflight(cfg: RunConfig, world_size: int) -> None:
+def preflight(cfg: RunConfig, world_size: int, command: str = "train") -> None:
     """What can be known wrong before any process starts: batch arithmetic, run dir, checkpoint."""
-    plan_batches(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
     run_dir = Path(cfg.run_dir)
-    ensure_writable(run_dir)
+    if command == "train":
+        plan_batches(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
+        ensure_writable(run_dir)
     # Cheap checks only (the workers verify checksums before loading).
     select_checkpoint(run_dir / "checkpoints", cfg.ckpt.resume, cfg.experiment, verify_checksums=False)
 
@@ -62,7 +65,7 @@ def train_command(req: TrainRequest) -> int:
     launch = detect_launch()
     if launch.launcher == "single" and req.nproc_per_node > 1:
         setup_logging(debug=req.debug)
-        preflight(cfg, req.nproc_per_node)
+        preflight(cfg, req.nproc_per_node, req.command)
         log.info("starting %d processes with torchrun", req.nproc_per_node)
         return run_forwarding_signals(torchrun_command(req.nproc_per_node, req.module_args()))
     return _train_here(cls, cfg, launch, req)
@@ -76,9 +79,10 @@ def _train_here(cls: type[Experiment], cfg: RunConfig, launch: LaunchInfo, req: 
             req.nproc_per_node, launch.launcher, launch.local_world_size,
         )
     # Every rank checks (cheap, same verdict everywhere), so no rank waits in the rendezvous for a peer that quit.
-    preflight(cfg, launch.world_size)
-    from hpctrain.train.run import run_training  # the heavy imports only where training happens
+    preflight(cfg, launch.world_size, req.command)
+    from hpctrain.train.run import run_evaluation, run_training  # heavy imports only where work happens
 
+    run = run_training if req.command == "train" else run_evaluation
     with distributed_session(launch, cfg.dist) as runtime:
-        run_training(cfg, runtime, cls(cfg), config_to_toml(cfg))
+        run(cfg, runtime, cls(cfg), config_to_toml(cfg))
     return 0

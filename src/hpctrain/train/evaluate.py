@@ -3,28 +3,38 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
+from torch.utils.data import DataLoader
 
 from hpctrain.dist.collectives import all_reduce_sums, gather_objects
-from hpctrain.train.context import TrainContext
+from hpctrain.dist.runtime import Runtime
+from hpctrain.experiments.base import Experiment
 from hpctrain.train.device import to_device
+from hpctrain.train.precision import Precision
 
 
 @torch.no_grad()
-def evaluate(ctx: TrainContext) -> dict[str, float]:
-    # The EMA weights are the ones a run with EMA ships, so they are the ones validated.
-    model = ctx.ema.module if ctx.ema is not None else ctx.raw_model
+def evaluate(
+    experiment: Experiment,
+    model: nn.Module,
+    loader: DataLoader | None,
+    runtime: Runtime,
+    precision: Precision,
+    channels_last: bool = False,
+) -> dict[str, float]:
+    """Collective. ``model`` is the plain module (not DDP): ranks may hold different numbers of batches."""
     was_training = model.training
     model.eval()
     totals: dict[str, torch.Tensor] = {}
-    for batch in ctx.val_loader or ():
-        batch = to_device(batch, ctx.runtime.device, ctx.cfg.train.channels_last)
-        with ctx.precision.autocast():
-            stats = ctx.experiment.eval_stats(model, batch)
+    for batch in loader or ():
+        batch = to_device(batch, runtime.device, channels_last)
+        with precision.autocast():
+            stats = experiment.eval_stats(model, batch)
         for key, value in stats.items():
             totals[key] = totals.get(key, 0) + value.detach().double()
     model.train(was_training)
     # A rank can have no validation batch (more ranks than batches); it still joins the
     # all-reduce, with zeros for the names the others report.
-    names = sorted(set().union(*gather_objects(sorted(totals), ctx.runtime)))
-    sums = all_reduce_sums({n: totals.get(n, 0.0) for n in names}, ctx.runtime)
-    return ctx.experiment.metrics(sums)
+    names = sorted(set().union(*gather_objects(sorted(totals), runtime)))
+    sums = all_reduce_sums({n: totals.get(n, 0.0) for n in names}, runtime)
+    return experiment.metrics(sums)

@@ -17,16 +17,16 @@ from hpctrain.train.evaluate import evaluate
 
 
 def train(ctx: TrainContext) -> dict[str, float]:
-    """Run until ctx.total_steps; returns the last validation metrics."""
+    """Run until ctx.end_step; returns the last validation metrics."""
     window = _Window(ctx.state.step)
     last_val: dict[str, float] = {}
-    while ctx.state.step < ctx.total_steps:
+    while ctx.state.step < ctx.end_step:
         # The sampler restarts at the saved position; set before iter() because loader
         # workers never see the sampler, only the indices it yields in this process.
         ctx.sampler.set_position(ctx.state.epoch, ctx.state.step_in_epoch)
         batches = iter(ctx.train_loader)
         epoch = ctx.state.epoch
-        while ctx.state.step < ctx.total_steps and ctx.state.epoch == epoch:
+        while ctx.state.step < ctx.end_step and ctx.state.epoch == epoch:
             loss, grad_norm = optimizer_step(ctx, batches)
             ctx.state.advance(ctx.plan.global_batch_size, ctx.sampler.steps_per_epoch)
             window.add(loss, grad_norm)
@@ -67,14 +67,16 @@ def optimizer_step(ctx: TrainContext, batches: Iterator) -> tuple[torch.Tensor, 
 
 def after_step(ctx: TrainContext, window: "_Window", epoch_ended: bool) -> dict[str, float] | None:
     step, total, cfg = ctx.state.step, ctx.total_steps, ctx.cfg
-    if step % cfg.log.every_steps == 0 or step == total:
+    if step % cfg.log.every_steps == 0 or step in (total, ctx.end_step):
         log_train(ctx, window)
     val = None
     every = cfg.eval.every_steps
     if ctx.val_loader is not None and (step == total or (every and step % every == 0) or (not every and epoch_ended)):
-        val = evaluate(ctx)
+        # The EMA weights are the ones a run with EMA ships, so they are the ones validated.
+        model = ctx.ema.module if ctx.ema is not None else ctx.raw_model
+        val = evaluate(ctx.experiment, model, ctx.val_loader, ctx.runtime, ctx.precision, cfg.train.channels_last)
         ctx.metrics.log({"step": step, "split": "val", "epoch": ctx.state.epoch, **val})
-    if save_due(step, total, cfg.ckpt.every_steps):
+    if save_due(step, total, cfg.ckpt.every_steps) or step == ctx.end_step:
         ctx.checkpointer.save(ctx.state, ctx.stateful())
     return val
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ from hpctrain.dist.collectives import barrier
 from hpctrain.dist.env import stdout_is_terminal
 from hpctrain.dist.runtime import Runtime
 from hpctrain.dist.wrap import unwrap_model, wrap_model
+from hpctrain.errors import UserError
 from hpctrain.experiments.base import Experiment
 from hpctrain.metrics.plots import plot_training
 from hpctrain.metrics.records import read_metrics
@@ -22,6 +24,7 @@ from hpctrain.metrics.sinks import build_metrics_logger
 from hpctrain.train import loop
 from hpctrain.train.context import TrainContext
 from hpctrain.train.ema import build_ema
+from hpctrain.train.evaluate import evaluate
 from hpctrain.train.optim import build_optimizer, build_scheduler
 from hpctrain.train.precision import resolve_precision
 from hpctrain.train.rng import seed_everything, seed_rank_streams
@@ -31,7 +34,9 @@ from hpctrain.train.state import TrainState
 log = logging.getLogger("hpctrain")
 
 
-def build_context(cfg: RunConfig, runtime: Runtime, experiment: Experiment, config_text: str) -> TrainContext:
+def build_context(
+    cfg: RunConfig, runtime: Runtime, experiment: Experiment, config_text: str, write_run_dir: bool = True
+) -> TrainContext:
     run_dir = Path(cfg.run_dir)
     plan = plan_batches(cfg.train.global_batch_size, cfg.train.micro_batch_size, runtime.world_size)
     # Same seed on every rank for the model's initial weights (DDP would broadcast rank 0's
@@ -53,7 +58,7 @@ def build_context(cfg: RunConfig, runtime: Runtime, experiment: Experiment, conf
     precision = resolve_precision(cfg.train.precision, runtime.device)
     optimizer = build_optimizer(raw, cfg.optim, fused=runtime.device.type == "cuda")
     total_steps = cfg.train.max_steps or cfg.train.epochs * sampler.steps_per_epoch
-    if runtime.is_main:
+    if runtime.is_main and write_run_dir:
         prepare_run_dir(run_dir, config_text)
     barrier(runtime)
     return TrainContext(
@@ -116,6 +121,8 @@ def _announce(ctx: TrainContext, resumed) -> None:
         )
     if ctx.state.step >= ctx.total_steps:
         log.info("the run is already complete at step %d; raise train.max_steps or train.epochs to go on", ctx.state.step)
+    elif ctx.state.step >= ctx.end_step:
+        log.info("nothing to do: at step %d, train.stop_at_step=%d", ctx.state.step, ctx.cfg.train.stop_at_step)
 
 
 def _finish(ctx: TrainContext, final: dict[str, float], seconds: float) -> None:
@@ -126,3 +133,23 @@ def _finish(ctx: TrainContext, final: dict[str, float], seconds: float) -> None:
     ctx.experiment.artifacts(ctx.ema.module if ctx.ema is not None else ctx.raw_model, run_dir)
     shown = ", ".join(f"{k} {v:.4f}" for k, v in final.items())
     log.info("done: step %d in %.1f s%s; run dir %s", ctx.state.step, seconds, f"; val {shown}" if shown else "", run_dir)
+
+
+def run_evaluation(cfg: RunConfig, runtime: Runtime, experiment: Experiment, config_text: str) -> dict[str, float]:
+    """Validate a checkpoint's weights (the EMA ones when present) with any number of processes;
+    ckpt.resume: auto = the run dir's latest, or a path. Trains nothing, writes nothing."""
+    data = experiment.build_datasets()
+    if data.val is None:
+        raise UserError(f"experiment '{cfg.experiment}' has no validation set", "nothing to evaluate.")
+    model = experiment.build_model().to(runtime.device)
+    checkpointer = Checkpointer(Path(cfg.run_dir), cfg.experiment, runtime, config_text, cfg.ckpt.keep_last)
+    loaded = checkpointer.restore_weights(cfg.ckpt.resume, model)
+    eval_batch = cfg.eval.micro_batch_size or 2 * cfg.train.micro_batch_size
+    sampler = EvalBatchSampler(len(data.val), eval_batch, runtime.rank, runtime.world_size)
+    loader = build_loader(data.val, sampler, cfg.data, runtime)
+    precision = resolve_precision(cfg.train.precision, runtime.device)
+    metrics = evaluate(experiment, model, loader, runtime, precision, cfg.train.channels_last)
+    if runtime.is_main:
+        record = {"step": loaded.state.step, "split": "val", "checkpoint": str(loaded.path), **metrics}
+        print(json.dumps(record, sort_keys=True), flush=True)
+    return metrics

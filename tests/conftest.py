@@ -1,0 +1,70 @@
+"""Shared fixtures: a CLI runner with a hard timeout that kills the whole process tree,
+and a check that no test leaks a process group or environment variables."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def run_hpctrain(args: list[str], timeout: float = 120, cwd: Path | None = None, env: dict | None = None) -> Result:
+    """Run `python -m hpctrain ARGS` in its own session; on timeout kill the session and fail.
+
+    torchrun and its workers run in a session of their own (see dist/launcher.py) and die
+    with their parent (PR_SET_PDEATHSIG), so killing ours takes the whole tree down."""
+    full_env = {**os.environ, "PYTHONPATH": str(TESTS), "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env.pop("RANK", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpctrain", *args],
+        cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"hpctrain {' '.join(args)} hung for {timeout} s (hard timeout)\n{out}\n{err}")
+    return Result(proc.returncode, out, err)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["split"] == "train"}
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks():
+    """Fail a test that leaves torch.distributed initialised or changes launch variables."""
+    watched = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    before = {k: os.environ.get(k) for k in watched}
+    yield
+    after = {k: os.environ.get(k) for k in watched}
+    assert before == after, f"test leaked environment variables: {before} -> {after}"
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("test left a process group initialised")

@@ -1,0 +1,82 @@
+"""Bad input through the real entry point: one-paragraph message, exit 2, no traceback, nothing lost."""
+
+from pathlib import Path
+
+import pytest
+
+from hpctrain.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["train", "digts"], ["unknown experiment 'digts'", "Did you mean 'digits'"]),
+        (["train", "digits", "train.max_step=5"], ["Did you mean 'train.max_steps'"]),
+        (["train", "digits", "--config", "/nonexistent/c.toml"], ["config file '/nonexistent/c.toml' does not exist"]),
+        (["train", "digits", "--nproc-per-node", "3"], ["cannot be split evenly across 3 processes"]),
+        (["train", "digits", "--nproc-per-node", "2", "train.micro_batch_size=20", "train.global_batch_size=100"],
+         ["does not divide the 50 samples each of 2 processes", "1, 2, 5, 10, 25, 50"]),
+        (["train", "digits", "--nproc-per-node", "4", "train.micro_batch_size=50"], ["valid train.micro_batch_size values for 4 processes: 1, 5, 25"]),
+        (["train", "nosuchmodule:Exp"], ["cannot import module 'nosuchmodule'"]),
+        (["train", "hpctrain.cli:main"], ["is not an hpctrain Experiment subclass"]),
+        (["train", "digits", "run.dir=/etc/hostname/run"], ["is not writable"]),
+    ],
+)
+def test_bad_input_is_a_message_not_a_traceback(capsys, argv, words):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert "Traceback" not in err and err.startswith("hpctrain: error: ")
+    assert "HINT:" in err
+    for w in words:
+        assert w in err
+
+
+def test_debug_shows_the_traceback():
+    from hpctrain.errors import UserError
+
+    with pytest.raises(UserError):
+        main(["train", "digts", "--debug"])
+
+
+def test_unknown_option_is_rejected(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "digits", "--nprocs", "2"])
+    assert exc.value.code == 2
+
+
+def test_overrides_may_follow_options(capsys):
+    code, out, _ = run(capsys, "config", "digits", "--config", "/dev/null", "train.max_steps=3")
+    assert code == 0 and "max_steps = 3" in out
+
+
+def test_config_describe_lists_keys_with_docs(capsys):
+    code, out, _ = run(capsys, "config", "digits", "--describe")
+    assert code == 0
+    assert "train.global_batch_size = 100" in out and "Samples per optimizer step" in out
+    assert "model.norm = 'batch'" in out
+
+
+def test_experiments_lists_digits(capsys):
+    code, out, _ = run(capsys, "experiments")
+    assert code == 0 and out.startswith("digits")
+
+
+def test_checkpoint_of_another_experiment_is_refused_before_launch(capsys, tmp_path: Path):
+    import json
+
+    import torch
+
+    from hpctrain.checkpoint import storage
+
+    ckpt = tmp_path / "run" / "checkpoints"
+    storage.write_checkpoint(ckpt, 4, {"model.pt": {"w": torch.zeros(1)}, "state.json": json.dumps({})}, {"experiment": "toy"})
+    before = sorted(p.name for p in ckpt.rglob("*"))
+    code, _, err = run(capsys, "train", "digits", f"run.dir={tmp_path / 'run'}", "--nproc-per-node", "2")
+    assert code == 2 and "written by experiment 'toy', not 'digits'" in err
+    assert sorted(p.name for p in ckpt.rglob("*")) == before
