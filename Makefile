@@ -4,7 +4,8 @@ PY := $(VENV)/bin/python
 # The torch build pip resolves on this project's machines (a CUDA build; runs on CPU too).
 # Override on a cluster to match its CUDA, e.g. make TORCH_SPEC='torch==2.5.1' test
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
-PIP_QUIET ?= -q
+# (not PIP_QUIET: pip reads that name from the environment itself)
+PIPFLAGS ?= -q
 
 .PHONY: setup demo test test-unit test-dist clean-runs
 
@@ -12,9 +13,8 @@ setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
-	$(PY) -m pip install $(PIP_QUIET) --upgrade pip
-	$(PY) -m pip install $(PIP_QUIET) $(TORCH_SPEC)
-	$(PY) -m pip install $(PIP_QUIET) -e '.[dev]'
+	$(PY) -m pip install $(PIPFLAGS) $(TORCH_SPEC)
+	$(PY) -m pip install $(PIPFLAGS) -e '.[dev]'
 	touch $@
 
 demo: setup
