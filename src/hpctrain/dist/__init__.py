@@ -1,0 +1,1 @@
+"""Distributed runtime: launch detection, the runtime value, collectives, model wrapping."""

@@ -1,0 +1,220 @@
+"""Launch detection: the one module that reads os.environ for launch and cluster facts.
+
+Three launch modes are recognised, most specific first:
+
+- ``torchrun`` (``python -m torch.distributed.run``): RANK, LOCAL_RANK, WORLD_SIZE,
+  LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT. It wins even inside a Slurm
+  job, where srun's SLURM_* variables describe the one launcher task per node, not
+  the workers.
+- ``srun`` one task per GPU: SLURM_PROCID / SLURM_LOCALID / SLURM_STEP_NUM_TASKS,
+  master = first host of the step's node list. We require the *step* variables that
+  only srun sets: the batch script itself also has SLURM_PROCID=0 and SLURM_NTASKS,
+  and treating it as rank 0 of NTASKS would wait forever for ranks that never come.
+- ``single``: one plain process.
+
+Like submitit, each variable maps to a named field through a table, so what we read
+is listed in one place.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass
+from typing import Literal, Mapping
+
+from hpctrain.errors import UserError
+
+TORCHRUN_VARS = {
+    "rank": "RANK",
+    "local_rank": "LOCAL_RANK",
+    "world_size": "WORLD_SIZE",
+    "local_world_size": "LOCAL_WORLD_SIZE",
+    "node_rank": "GROUP_RANK",
+    "master_addr": "MASTER_ADDR",
+    "master_port": "MASTER_PORT",
+}
+SRUN_VARS = {
+    "rank": "SLURM_PROCID",
+    "local_rank": "SLURM_LOCALID",
+    "world_size": "SLURM_STEP_NUM_TASKS",
+    "node_rank": "SLURM_NODEID",
+    "num_nodes": "SLURM_STEP_NUM_NODES",
+    "nodelist": "SLURM_STEP_NODELIST",
+    "tasks_per_node": "SLURM_STEP_TASKS_PER_NODE",
+}
+SLURM_JOB_ID = "SLURM_JOB_ID"
+DEFAULT_PORT_BASE = 20000  # srun mode without MASTER_PORT: 20000 + job id % 20000, so two jobs on a node differ
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    launcher: Literal["torchrun", "srun", "single"]
+    """Who started this process."""
+    rank: int
+    """Global rank."""
+    local_rank: int
+    """Rank on this node; selects the GPU."""
+    world_size: int
+    """Number of processes in the job."""
+    local_world_size: int
+    """Processes on this node."""
+    node_rank: int
+    """Index of this node among the job's nodes."""
+    num_nodes: int
+    """Number of nodes."""
+    master_addr: str
+    """Rendezvous host (rank 0's node)."""
+    master_port: int
+    """Rendezvous port."""
+    hostname: str
+    """This node's hostname."""
+    job_id: str
+    """Slurm job id, or '' outside Slurm."""
+
+
+def detect_launch(environ: Mapping[str, str] | None = None) -> LaunchInfo:
+    env = os.environ if environ is None else environ
+    host = socket.gethostname()
+    job_id = env.get(SLURM_JOB_ID, "")
+    if "RANK" in env and "WORLD_SIZE" in env and "LOCAL_RANK" in env:
+        return _from_torchrun(env, host, job_id)
+    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
+        return _from_srun(env, host, job_id)
+    return LaunchInfo("single", 0, 0, 1, 1, 0, 1, "127.0.0.1", 29500, host, job_id)
+
+
+def is_distributed_launch(environ: Mapping[str, str] | None = None) -> bool:
+    """True when a launcher (torchrun or srun with several tasks) already started us."""
+    return detect_launch(environ).launcher != "single"
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    try:
+        return int(env[name])
+    except KeyError:
+        raise UserError(f"environment variable {name} is missing", _mixed_env_hint()) from None
+    except ValueError:
+        raise UserError(f"environment variable {name}={env[name]!r} is not an integer", _mixed_env_hint()) from None
+
+
+def _mixed_env_hint() -> str:
+    return (
+        "launch with torchrun (which sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) or with "
+        "srun one task per GPU; do not export a partial set of these variables yourself."
+    )
+
+
+def _from_torchrun(env: Mapping[str, str], host: str, job_id: str) -> LaunchInfo:
+    v = TORCHRUN_VARS
+    world = _int(env, v["world_size"])
+    local_world = int(env.get(v["local_world_size"], world))
+    return LaunchInfo(
+        launcher="torchrun",
+        rank=_int(env, v["rank"]),
+        local_rank=_int(env, v["local_rank"]),
+        world_size=world,
+        local_world_size=local_world,
+        node_rank=int(env.get(v["node_rank"], 0)),
+        num_nodes=max(1, world // max(1, local_world)),
+        master_addr=env.get(v["master_addr"], "127.0.0.1"),
+        master_port=int(env.get(v["master_port"], 29500)),
+        hostname=host,
+        job_id=job_id,
+    )
+
+
+def _from_srun(env: Mapping[str, str], host: str, job_id: str) -> LaunchInfo:
+    v = SRUN_VARS
+    world = _int(env, v["world_size"])
+    nodelist = env.get(v["nodelist"]) or env.get("SLURM_JOB_NODELIST", "")
+    hosts = expand_nodelist(nodelist) if nodelist else [host]
+    num_nodes = int(env.get(v["num_nodes"], len(hosts)))
+    tasks = parse_tasks_per_node(env.get(v["tasks_per_node"], ""))
+    node_rank = _int(env, v["node_rank"])
+    local_world = tasks[node_rank] if node_rank < len(tasks) else max(1, world // num_nodes)
+    port = env.get("MASTER_PORT") or str(DEFAULT_PORT_BASE + int(job_id or 0) % 20000)
+    return LaunchInfo(
+        launcher="srun",
+        rank=_int(env, "SLURM_PROCID"),
+        local_rank=_int(env, "SLURM_LOCALID"),
+        world_size=world,
+        local_world_size=local_world,
+        node_rank=node_rank,
+        num_nodes=num_nodes,
+        master_addr=env.get("MASTER_ADDR") or hosts[0],
+        master_port=int(port),
+        hostname=host,
+        job_id=job_id,
+    )
+
+
+_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Slurm's compressed host list ('gpu[01-03,07],login1') to host names, in order.
+
+    What ``scontrol show hostnames`` prints; done here so that it works in a
+    process that cannot run scontrol (a container, a unit test).
+    """
+    hosts: list[str] = []
+    for item in _split_top_level(nodelist):
+        hosts.extend(_expand_item(item))
+    return hosts
+
+
+def _split_top_level(text: str) -> list[str]:
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    return [i.strip() for i in items if i.strip()]
+
+
+def _expand_item(item: str) -> list[str]:
+    open_at = item.find("[")
+    if open_at < 0:
+        return [item]
+    close_at = item.index("]", open_at)
+    prefix, ranges, rest = item[:open_at], item[open_at + 1 : close_at], item[close_at + 1 :]
+    tails = _expand_item(rest) if rest else [""]
+    out = []
+    for part in ranges.split(","):
+        m = _RANGE.match(part.strip())
+        if not m:
+            raise UserError(f"cannot read the Slurm node list entry '{item}'", "check SLURM_JOB_NODELIST.")
+        lo, hi = m.group(1), m.group(2) or m.group(1)
+        for n in range(int(lo), int(hi) + 1):
+            out.extend(f"{prefix}{str(n).zfill(len(lo))}{tail}" for tail in tails)
+    return out
+
+
+def parse_tasks_per_node(text: str) -> list[int]:
+    """SLURM_STEP_TASKS_PER_NODE ('2(x3),1') to one count per node."""
+    counts: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        m = re.match(r"^(\d+)(?:\(x(\d+)\))?$", part)
+        if not m:
+            return []
+        counts.extend([int(m.group(1))] * int(m.group(2) or 1))
+    return counts
+
+
+def cpus_available() -> int:
+    """CPUs this process may run on (Slurm's cpus-per-task binding shows up in the affinity mask)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def stdout_is_terminal() -> bool:
+    import sys
+
+    return sys.stdout.isatty() and os.environ.get("TERM", "") != "dumb"

@@ -1,0 +1,129 @@
+"""The runtime value: created once per process from the launch info, passed down, never global."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from hpctrain.config.schema import DistSection
+from hpctrain.dist.env import LaunchInfo
+from hpctrain.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    """Global rank."""
+    local_rank: int
+    """Rank on this node."""
+    world_size: int
+    """Processes in the job."""
+    local_world_size: int
+    """Processes on this node."""
+    node_rank: int
+    """This node's index."""
+    num_nodes: int
+    """Nodes in the job."""
+    hostname: str
+    """This node's host name."""
+    launcher: str
+    """torchrun, srun or single."""
+    job_id: str
+    """Slurm job id or ''."""
+    device: torch.device
+    """The device this rank computes on (cuda:local_rank, or cpu)."""
+    backend: str
+    """Process-group backend ('nccl', 'gloo'), or '' for one process."""
+
+    @property
+    def is_main(self) -> bool:
+        """Global rank 0: the only rank that prints and writes shared files."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def choose_backend(requested: str, cuda: bool) -> str:
+    if requested == "auto":
+        return "nccl" if cuda else "gloo"
+    if requested == "nccl" and not cuda:
+        raise UserError(
+            "dist.backend='nccl' needs CUDA GPUs, and this process sees none",
+            "use dist.backend=auto (gloo on CPU), or run on a GPU node.",
+        )
+    return requested
+
+
+def choose_device(launch: LaunchInfo) -> torch.device:
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if launch.local_rank >= count:
+        raise UserError(
+            f"local rank {launch.local_rank} on {launch.hostname} has no GPU: only {count} visible",
+            "start at most one process per GPU (--nproc-per-node, slurm.gpus_per_node).",
+        )
+    return torch.device("cuda", launch.local_rank)
+
+
+def init_runtime(launch: LaunchInfo, cfg: DistSection) -> Runtime:
+    """Bind the device and join the process group (when there is more than one process)."""
+    device = choose_device(launch)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = choose_backend(cfg.backend, device.type == "cuda") if launch.world_size > 1 else ""
+    if backend:
+        init_method = "env://" if launch.launcher == "torchrun" else f"tcp://{launch.master_addr}:{launch.master_port}"
+        dist.init_process_group(
+            backend=backend,
+            init_method=init_method,
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=datetime.timedelta(seconds=cfg.timeout_s),
+            # Binding the device makes NCCL create its communicator eagerly and on the right GPU.
+            device_id=device if backend == "nccl" else None,
+        )
+    return Runtime(
+        rank=launch.rank,
+        local_rank=launch.local_rank,
+        world_size=launch.world_size,
+        local_world_size=launch.local_world_size,
+        node_rank=launch.node_rank,
+        num_nodes=launch.num_nodes,
+        hostname=launch.hostname,
+        launcher=launch.launcher,
+        job_id=launch.job_id,
+        device=device,
+        backend=backend,
+    )
+
+
+def shutdown(runtime: Runtime, ok: bool) -> None:
+    """Leave the process group. On success all ranks meet first: gloo can hang in teardown when a
+    rank destroys its group while a peer is still finishing its last collective."""
+    if not (runtime.backend and dist.is_initialized()):
+        return
+    if ok:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def distributed_session(launch: LaunchInfo, cfg: DistSection) -> Iterator[Runtime]:
+    runtime = init_runtime(launch, cfg)
+    ok = False
+    try:
+        yield runtime
+        ok = True
+    finally:
+        shutdown(runtime, ok)
