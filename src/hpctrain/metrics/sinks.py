@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -81,7 +82,7 @@ class ConsoleSink:
             return
         line = format_record(record, self.total)
         if self.bar is not None:
-            self.bar.write(line)
+            self.bar.write(line, file=sys.stderr)  # the bar's stream, or the two interleave
         else:
             log.info(line)
 

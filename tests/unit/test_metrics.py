@@ -1,0 +1,69 @@
+import json
+from pathlib import Path
+
+from hpctrain.metrics.plots import plot_training
+from hpctrain.metrics.records import read_metrics, series
+from hpctrain.metrics.sinks import build_metrics_logger, format_record
+from hpctrain.train.rundir import prepare_run_dir
+
+
+def test_logger_writes_jsonl_only_on_rank_0(tmp_path: Path):
+    for rank_is_main, expect in ((False, False), (True, True)):
+        logger = build_metrics_logger(rank_is_main, tmp_path, "off", False, 10, 0, tty=False)
+        logger.log({"step": 1, "split": "train", "loss": 0.5})
+        logger.close()
+        assert (tmp_path / "metrics.jsonl").exists() is expect
+    (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert record["step"] == 1 and record["split"] == "train" and record["loss"] == 0.5 and record["time"] > 0
+
+
+def test_tensorboard_events_are_written(tmp_path: Path):
+    logger = build_metrics_logger(True, tmp_path, "off", True, 10, 0, tty=False)
+    logger.log({"step": 3, "split": "val", "accuracy": 0.9})
+    logger.close()
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_progress_bar_on_a_terminal(tmp_path: Path, capsys):
+    logger = build_metrics_logger(True, tmp_path, "auto", False, 10, 0, tty=True)
+    logger.log({"step": 4, "split": "train", "loss": 0.25, "samples_per_s": 100.0})
+    logger.log({"step": 5, "split": "val", "accuracy": 0.75})
+    logger.close()
+    err = capsys.readouterr().err
+    assert "4/10" in err and "loss=0.25" in err  # the bar
+    assert "step 5/10 | val | accuracy 0.75" in err  # val lines printed above the bar
+
+
+def test_a_resumed_run_keeps_the_last_record_per_step(tmp_path: Path):
+    lines = [
+        {"step": 1, "split": "train", "loss": 3.0},
+        {"step": 2, "split": "train", "loss": 2.0},  # logged, then the job died before a checkpoint
+        {"step": 2, "split": "train", "loss": 2.5},  # the resumed run's step 2
+        {"step": 2, "split": "val", "accuracy": 0.5},
+    ]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in lines) + '\n{"step": 3, "spl')  # torn last line
+    records = read_metrics(path)
+    assert series(records, "train", "loss") == ([1, 2], [3.0, 2.5])
+    assert series(records, "val", "accuracy") == ([2], [0.5])
+
+
+def test_plot_is_a_png(tmp_path: Path):
+    records = [{"step": s, "split": "train", "loss": 1 / s, "lr": 0.1, "samples_per_s": 50.0} for s in range(1, 20)]
+    records.append({"step": 19, "split": "val", "loss": 0.1, "accuracy": 0.9})
+    out = plot_training(records, tmp_path / "plots" / "p.png", "title")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_format_record():
+    line = format_record({"step": 5, "split": "train", "loss": 0.123456, "eta_s": 65.2, "time": 1.0}, 10)
+    assert line == "step 5/10 | train | loss 0.1235 | eta 0:01:05"
+
+
+def test_changed_config_keeps_the_earlier_one(tmp_path: Path):
+    prepare_run_dir(tmp_path, "a = 1\n")
+    prepare_run_dir(tmp_path, "a = 1\n")
+    assert [p.name for p in tmp_path.glob("config*.toml")] == ["config.toml"]
+    prepare_run_dir(tmp_path, "a = 2\n")
+    kept = sorted(p.read_text() for p in tmp_path.glob("config*.toml"))
+    assert kept == ["a = 1\n", "a = 2\n"] and (tmp_path / "config.toml").read_text() == "a = 2\n"
