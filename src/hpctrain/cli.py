@@ -86,7 +86,7 @@ def _experiments(args: argparse.Namespace) -> int:
     from hpctrain.experiments import list_experiments, resolve_experiment
 
     for name in list_experiments():
-        doc = (sys.modules[resolve_experiment(name).__module__].__doc__ or "").strip().splitlines()
+        doc = (resolve_experiment(name).__doc__ or "").strip().splitlines()
         print(f"{name:12s} {doc[0] if doc else ''}")
     return 0
 

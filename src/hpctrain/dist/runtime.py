@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import logging
 from dataclasses import dataclass
@@ -19,25 +20,9 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Runtime:
-    rank: int
-    """Global rank."""
-    local_rank: int
-    """Rank on this node."""
-    world_size: int
-    """Processes in the job."""
-    local_world_size: int
-    """Processes on this node."""
-    node_rank: int
-    """This node's index."""
-    num_nodes: int
-    """Nodes in the job."""
-    hostname: str
-    """This node's host name."""
-    launcher: str
-    """torchrun, srun or single."""
-    job_id: str
-    """Slurm job id or ''."""
+class Runtime(LaunchInfo):
+    """The launch facts plus what this process bound: its device and its process-group backend."""
+
     device: torch.device
     """The device this rank computes on (cuda:local_rank, or cpu)."""
     backend: str
@@ -93,19 +78,7 @@ def init_runtime(launch: LaunchInfo, cfg: DistSection) -> Runtime:
             # Binding the device makes NCCL create its communicator eagerly and on the right GPU.
             device_id=device if backend == "nccl" else None,
         )
-    return Runtime(
-        rank=launch.rank,
-        local_rank=launch.local_rank,
-        world_size=launch.world_size,
-        local_world_size=launch.local_world_size,
-        node_rank=launch.node_rank,
-        num_nodes=launch.num_nodes,
-        hostname=launch.hostname,
-        launcher=launch.launcher,
-        job_id=launch.job_id,
-        device=device,
-        backend=backend,
-    )
+    return Runtime(**dataclasses.asdict(launch), device=device, backend=backend)
 
 
 def shutdown(runtime: Runtime, ok: bool) -> None:

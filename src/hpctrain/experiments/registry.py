@@ -7,6 +7,8 @@ others' dependencies.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 
 from hpctrain.errors import UserError, did_you_mean
 from hpctrain.experiments.base import Experiment
@@ -28,6 +30,10 @@ def resolve_experiment(name: str) -> type[Experiment]:
             f"built-in experiments: {', '.join(list_experiments())}; or give your own as 'package.module:Class'.",
         )
     module_name, _, attr = target.partition(":")
+    # Like uvicorn and gunicorn: the user's module in the working directory is importable from the
+    # console script too, not only under `python -m hpctrain` (which puts the cwd on sys.path itself).
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:

@@ -28,6 +28,8 @@ class DigitsOptions:
 
 
 class DigitsExperiment(Experiment):
+    """MiniResNet on scikit-learn's bundled handwritten digits (no download); metric: accuracy."""
+
     name = "digits"
     config_class = DigitsOptions
     main_metric = "accuracy"
