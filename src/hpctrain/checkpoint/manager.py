@@ -82,17 +82,22 @@ class Checkpointer:
     def save(self, state: TrainState, stateful: Mapping[str, Any]) -> None:
         """Collective: every rank calls it at the same step."""
         rng = gather_objects(capture_rng(self.runtime.device), self.runtime)
-        error = ""
+        failure: Exception | None = None
         if self.runtime.is_main:
             try:
                 path = storage.write_checkpoint(self.root, state.step, self._files(state, stateful, rng), self._meta(state))
                 self._retire_old(path)
                 log.info("saved checkpoint %s", path)
-            except OSError as err:
-                error = f"saving checkpoint at step {state.step} under '{self.root}' failed: {err}"
-        error = broadcast_object(error, self.runtime)
-        if error:
-            raise UserError(error, "free disk space or fix the file system; the previous checkpoint is intact.")
+            except Exception as err:  # any failure must reach the other ranks, not leave them waiting
+                failure = err
+        verdict = (f"{type(failure).__name__}: {failure}", isinstance(failure, OSError)) if failure else ("", False)
+        error, is_io = broadcast_object(verdict, self.runtime)
+        if not error:
+            return
+        message = f"saving checkpoint at step {state.step} under '{self.root}' failed: {error}"
+        if is_io:  # full disk, quota, permissions: the user's to fix
+            raise UserError(message, "free disk space or fix the file system, then resume; the previous checkpoint is intact.") from failure
+        raise RuntimeError(f"{message} (the previous checkpoint is intact)") from failure
 
     def _files(self, state: TrainState, stateful: Mapping[str, Any], rng: list[Any]) -> dict[str, Any]:
         files: dict[str, Any] = {

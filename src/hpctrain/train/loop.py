@@ -20,6 +20,7 @@ def train(ctx: TrainContext) -> dict[str, float]:
     """Run until ctx.end_step; returns the last validation metrics."""
     window = _Window(ctx.state.step)
     last_val: dict[str, float] = {}
+    ctx.model.train()  # once: evaluate() puts the mode back
     while ctx.state.step < ctx.end_step:
         # The sampler restarts at the saved position; set before iter() because loader
         # workers never see the sampler, only the indices it yields in this process.
@@ -27,6 +28,7 @@ def train(ctx: TrainContext) -> dict[str, float]:
         batches = iter(ctx.train_loader)
         epoch = ctx.state.epoch
         while ctx.state.step < ctx.end_step and ctx.state.epoch == epoch:
+            window.lr = ctx.optimizer.param_groups[0]["lr"]  # the rate this step uses; the scheduler moves it after
             loss, grad_norm = optimizer_step(ctx, batches)
             ctx.state.advance(ctx.plan.global_batch_size, ctx.sampler.steps_per_epoch)
             window.add(loss, grad_norm)
@@ -37,7 +39,6 @@ def train(ctx: TrainContext) -> dict[str, float]:
 def optimizer_step(ctx: TrainContext, batches: Iterator) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One optimizer step over grad_accum micro-batches; returns this rank's mean loss (on device, no sync)."""
     model, accum = ctx.model, ctx.plan.grad_accum
-    model.train()
     loss_sum = torch.zeros((), device=ctx.runtime.device)
     for micro in range(accum):
         batch = to_device(next(batches), ctx.runtime.device, ctx.cfg.train.channels_last)
@@ -93,7 +94,7 @@ def log_train(ctx: TrainContext, window: "_Window") -> None:
         "split": "train",
         "epoch": ctx.state.epoch,
         "loss": sums["loss"] / sums["n"],
-        "lr": ctx.scheduler.get_last_lr()[0],
+        "lr": window.lr,
         "samples_per_s": steps * ctx.plan.global_batch_size / elapsed,
         "eta_s": (ctx.total_steps - ctx.state.step) * elapsed / max(steps, 1),
     }
@@ -114,6 +115,7 @@ class _Window:
         self.loss_sum: torch.Tensor | float = 0.0
         self.steps = 0
         self.grad_norm: torch.Tensor | None = None
+        self.lr = 0.0
 
     def add(self, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
         self.loss_sum = self.loss_sum + loss

@@ -1,0 +1,44 @@
+"""A full disk during a save: every rank fails promptly with a message, the previous checkpoint stays valid."""
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hpctrain.checkpoint import storage
+from tests.conftest import run_hpctrain
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(200)]
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 450 KiB tmpfs: room for one ~290 KB checkpoint of the small digits model, not two."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=450k", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_full_disk_fails_every_rank_and_keeps_the_previous_checkpoint(small_disk: Path):
+    result = run_hpctrain(
+        ["train", "digits", "--nproc-per-node", "2", f"run.dir={small_disk}", "model.width=8", "train.max_steps=6",
+         "ckpt.every_steps=2", "train.global_batch_size=40", "train.micro_batch_size=10", "log.tensorboard=false"],
+        timeout=120,
+    )
+    assert result.returncode == 2, result.output  # the workers' bad-input code, passed on by the launcher
+    assert "failed first, exit code 2" in result.stderr and "ChildFailedError" not in result.stderr
+    assert "No space left on device" in result.stderr
+    assert "the previous checkpoint is intact" in result.stderr
+    assert "hpctrain: error: saving checkpoint at step 4" in result.stderr
+    chosen, skipped = storage.find_latest_valid(small_disk / "checkpoints")
+    assert chosen is not None and chosen.path.name == "step_00000002" and not skipped
+    assert not list((small_disk / "checkpoints").glob(".tmp-*")), "half-written save left behind"

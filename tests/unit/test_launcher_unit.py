@@ -1,0 +1,22 @@
+import sys
+
+from hpctrain.dist.launcher import torchrun_command
+from hpctrain.dist.torchrun_main import exit_code
+from hpctrain.train.entry import TrainRequest
+
+
+def test_worker_exit_codes_pass_through():
+    assert exit_code(2) == 2  # bad input in a worker stays "bad input"
+    assert exit_code(-9) == 137 and exit_code(-15) == 143  # killed by a signal, as a shell reports it
+    assert exit_code(0) == 1  # a failure record with code 0 is still a failure
+
+
+def test_torchrun_command_reruns_the_same_request_without_nproc():
+    req = TrainRequest("digits", "cfg.toml", ("train.max_steps=3",), 4, True)
+    cmd = torchrun_command(4, req.module_args())
+    assert cmd[:3] == [sys.executable, "-m", "hpctrain.dist.torchrun_main"]
+    assert "--standalone" in cmd and "--nproc-per-node=4" in cmd
+    tail = cmd[cmd.index("hpctrain") + 1:]
+    assert tail[:2] == ["train", "digits"] and tail[2] == "--config" and tail[3].endswith("/cfg.toml")
+    assert tail[4:] == ["train.max_steps=3", "--debug"]
+    assert not any("nproc" in a for a in tail)
