@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from typing import Any, Callable
 
 import torch
@@ -35,6 +36,21 @@ class KeyedDataset(Dataset):
         return self.transform(sample, sample_generator(self.seed, key.epoch, key.index))
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+
+
+def ignore_stop_signals(_worker_id: int) -> None:
+    """worker_init_fn: stop signals are the rank's to act on, not its loader workers'.
+
+    Slurm signals every process of a job step (scancel --signal, the time limit's
+    SIGTERM). torch's loader workers die of SIGUSR1/2 and of a SIGTERM that is not
+    from their parent, and their rank then crashes ("DataLoader worker exited
+    unexpectedly") instead of saving a checkpoint. Workers still end with their rank:
+    they watch their parent, and Slurm's final SIGKILL cannot be ignored."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def auto_workers(runtime: Runtime) -> int:
     """Worker processes per rank from the CPUs this process may use, shared by the ranks of the
     node, one CPU left for the rank's own process; at most 8 (more rarely helps and costs memory)."""
@@ -51,6 +67,7 @@ def loader_kwargs(cfg: DataSection, runtime: Runtime) -> dict[str, Any]:
     if workers > 0:
         kwargs["persistent_workers"] = cfg.persistent_workers
         kwargs["prefetch_factor"] = cfg.prefetch_factor
+        kwargs["worker_init_fn"] = ignore_stop_signals
     return kwargs
 
 
