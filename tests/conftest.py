@@ -47,6 +47,19 @@ def run_hpctrain(args: list[str], timeout: float = 120, cwd: Path | None = None,
     return Result(proc.returncode, out, err)
 
 
+def final_params(run_dir: Path) -> dict:
+    import torch
+
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    return torch.load(run_dir / "checkpoints" / latest / "model.pt", weights_only=True)
+
+
+def same_params(a: dict, b: dict) -> bool:
+    import torch
+
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

@@ -60,16 +60,24 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
-def _train(args: argparse.Namespace) -> int:
-    from hpctrain.train.entry import TrainRequest, train_command
+def _request(args: argparse.Namespace):
+    from hpctrain.train.entry import TrainRequest
 
     overrides = tuple(args.overrides) + ((f"ckpt.resume={args.resume}",) if args.resume else ())
     if args.nproc_per_node < 0:
         raise UserError(f"--nproc-per-node must be positive, got {args.nproc_per_node}")
-    request = TrainRequest(
-        args.experiment, args.config_file, overrides, args.nproc_per_node, args.debug, args.command_name
-    )
-    return train_command(request)
+    return TrainRequest(args.experiment, args.config_file, overrides, args.nproc_per_node, args.debug, args.command_name)
+
+
+def request_from_argv(argv: Sequence[str]):
+    """The TrainRequest of a `hpctrain train|eval ...` command line (used by the torchrun wrapper)."""
+    return _request(parse(argv))
+
+
+def _train(args: argparse.Namespace) -> int:
+    from hpctrain.train.entry import train_command
+
+    return train_command(_request(args))
 
 
 def _config(args: argparse.Namespace) -> int:

@@ -61,14 +61,19 @@ def kill_leftovers(pids: list[int]) -> None:
             pass
 
 
-def test_sigterm_to_the_launcher_reaches_the_workers(tmp_path: Path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR2])
+def test_signal_to_the_launcher_reaches_the_workers(tmp_path: Path, sig):
+    """launcher -> torchrun wrapper -> workers. Plain torchrun would die of SIGUSR2 and orphan its workers."""
     run_dir = tmp_path / "run"
     proc = start_long_run(run_dir)
     try:
         wait_for_training(proc, run_dir)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         code = proc.wait(timeout=60)
-        assert code != 0, "a run stopped by a signal must not report success"
+        output = proc.stdout.read()
+        assert code == 75, output  # stopped after a checkpoint: resume me
+        assert f"stopped by {sig.name}" in output and "all 2 workers stopped after a checkpoint" in output
+        assert len(list((run_dir / "checkpoints").glob("step_*"))) == 1
         left = wait_gone(run_dir, 30)
         assert not left, f"workers survived the launcher: {left}"
     finally:

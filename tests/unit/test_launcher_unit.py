@@ -20,3 +20,18 @@ def test_torchrun_command_reruns_the_same_request_without_nproc():
     assert tail[:2] == ["train", "digits"] and tail[2] == "--config" and tail[3].endswith("/cfg.toml")
     assert tail[4:] == ["train.max_steps=3", "--debug"]
     assert not any("nproc" in a for a in tail)
+
+
+def test_first_failure_prefers_the_cause_over_torchruns_shutdown_sigterm():
+    from types import SimpleNamespace
+
+    from hpctrain.dist.torchrun_main import first_failure
+
+    err = SimpleNamespace(failures={
+        0: SimpleNamespace(timestamp=100, exitcode=-15),  # killed by torchrun's shutdown
+        1: SimpleNamespace(timestamp=100, exitcode=-9),   # the rank that died
+        2: SimpleNamespace(timestamp=99, exitcode=-15),   # earlier still: a real SIGTERM comes first
+    })
+    assert first_failure(err)[0] == 2
+    del err.failures[2]
+    assert first_failure(err)[0] == 1

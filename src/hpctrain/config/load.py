@@ -166,6 +166,8 @@ def _check(typ: Any, value: Any) -> tuple[bool, Any]:
         return isinstance(value, str), value
     if origin is tuple:
         args = typing.get_args(typ)
+        if len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]: any length
+            args = (args[0],) * len(value) if isinstance(value, (list, tuple)) else ()
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             return False, value
         checked = [_check(a, v) for a, v in zip(args, value)]
@@ -178,7 +180,10 @@ def _describe(typ: Any) -> str:
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(typ))
     if origin is tuple:
-        return f"a list of {len(typing.get_args(typ))} values such as [0.9, 0.999]"
+        args = typing.get_args(typ)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return "a list such as ['failure', 'hang']"
+        return f"a list of {len(args)} values such as [0.9, 0.999]"
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[typ]
 
 

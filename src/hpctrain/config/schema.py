@@ -122,7 +122,9 @@ class LogSection:
 @dataclass(frozen=True, kw_only=True)
 class CkptSection:
     every_steps: int = 0
-    """Save a checkpoint every this many optimizer steps; 0 saves only at the end."""
+    """Save a checkpoint every this many optimizer steps; 0 disables step-based saves."""
+    every_minutes: float = 60.0
+    """Also save when this many minutes have passed since the last save (rank 0's clock decides for all); 0 disables."""
     keep_last: int = 3
     """Keep this many most recent checkpoints; older ones are deleted after a newer one is complete."""
     resume: str = "auto"
@@ -142,9 +144,41 @@ class DistSection:
 
 
 @dataclass(frozen=True, kw_only=True)
+class FaultSection:
+    warning_signal: Literal["SIGUSR2", "SIGUSR1", "SIGHUP", "none"] = "SIGUSR2"
+    """Signal that asks for a checkpoint and a requeue, besides SIGTERM (Slurm: --signal=B:USR2@SECONDS).
+    Not SIGUSR1 by default: NCCL has used it."""
+    requeue: bool = True
+    """After a preemption checkpoint inside a Slurm job, rank 0 runs 'scontrol requeue $SLURM_JOB_ID'."""
+    exit_code: int = 75
+    """Exit code of a run stopped by a signal after its checkpoint (75, EX_TEMPFAIL: 'try again')."""
+    heartbeat_every_s: float = 10.0
+    """Each rank writes RUN_DIR/heartbeat/rank_N.json this often (step, phase, host, pid)."""
+    hang_timeout_s: float = 300.0
+    """A rank with no progress for this long is reported as stuck (phase, step, host, Python stack); 0 disables.
+    Keep it below dist.timeout_s so the report comes before the collective timeout ends the job."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlertSection:
+    webhook_file: str = ""
+    """File holding the webhook URL (never pass the URL itself on the command line); the environment variable
+    HPCTRAIN_ALERT_WEBHOOK takes precedence. Empty and unset: no alerts."""
+    events: tuple[str, ...] = ("failure", "requeue", "hang")
+    """Events to send: any of failure, requeue, hang, complete."""
+    format: Literal["auto", "json", "slack", "discord"] = "auto"
+    """Payload shape: json (all fields), slack ({"text": ...}, also Mattermost/Rocket.Chat), discord
+    ({"content": ...}); auto picks from the URL's host."""
+    timeout_s: float = 5.0
+    """Give up on a webhook after this long; a failing webhook never stops training."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class NoModelOptions:
     """Placeholder [model] section for experiments without options."""
 
+
+ALERT_EVENTS = frozenset({"failure", "requeue", "hang", "complete"})
 
 SECTIONS: dict[str, type] = {
     "run": RunSection,
@@ -155,6 +189,8 @@ SECTIONS: dict[str, type] = {
     "log": LogSection,
     "ckpt": CkptSection,
     "dist": DistSection,
+    "fault": FaultSection,
+    "alert": AlertSection,
 }
 
 
@@ -178,6 +214,10 @@ class RunConfig:
     """Checkpoint cadence, retention and resume."""
     dist: DistSection = field(default_factory=DistSection)
     """torch.distributed settings."""
+    fault: FaultSection = field(default_factory=FaultSection)
+    """Preemption, requeue, heartbeat and hang detection."""
+    alert: AlertSection = field(default_factory=AlertSection)
+    """Webhook alerts."""
     model: Any = field(default_factory=NoModelOptions)
     """The experiment's own options (its config_class)."""
 
@@ -222,6 +262,18 @@ def validate(cfg: RunConfig) -> None:
     _require(cfg.ckpt.every_steps >= 0, "ckpt.every_steps", "must be >= 0 (0: only at the end)")
     _require(cfg.ckpt.keep_last >= 1, "ckpt.keep_last", "must be >= 1: the latest checkpoint is always kept")
     _require(cfg.dist.timeout_s > 0, "dist.timeout_s", "must be positive")
+    _require(cfg.ckpt.every_minutes >= 0, "ckpt.every_minutes", "must be >= 0 (0 disables time-based saves)")
+    f = cfg.fault
+    _require(0 < f.exit_code < 256, "fault.exit_code", "must be in 1..255")
+    _require(f.heartbeat_every_s > 0, "fault.heartbeat_every_s", "must be positive")
+    _require(f.hang_timeout_s >= 0, "fault.hang_timeout_s", "must be >= 0 (0 disables hang detection)")
+    _require(
+        f.hang_timeout_s == 0 or f.hang_timeout_s > f.heartbeat_every_s,
+        "fault.hang_timeout_s", "must be longer than fault.heartbeat_every_s, or the watchdog cannot see progress",
+    )
+    bad = sorted(set(cfg.alert.events) - ALERT_EVENTS)
+    _require(not bad, "alert.events", f"unknown event(s) {bad}; choose from {sorted(ALERT_EVENTS)}")
+    _require(cfg.alert.timeout_s > 0, "alert.timeout_s", "must be positive")
     _require(cfg.dist.bucket_cap_mb > 0, "dist.bucket_cap_mb", "must be positive")
 
 

@@ -206,6 +206,31 @@ def parse_tasks_per_node(text: str) -> list[int]:
     return counts
 
 
+ALERT_WEBHOOK = "HPCTRAIN_ALERT_WEBHOOK"
+FAULT_INJECTION = "HPCTRAIN_FAULT"
+UNDER_AGENT = "HPCTRAIN_AGENT"  # set by hpctrain's torchrun wrapper for its workers
+
+
+def alert_webhook_url(environ: Mapping[str, str] | None = None) -> str:
+    """The alert webhook from the environment ('' when unset). Never log it: it is a credential."""
+    return (os.environ if environ is None else environ).get(ALERT_WEBHOOK, "").strip()
+
+
+def fault_injection_spec(environ: Mapping[str, str] | None = None) -> str:
+    """Test-only fault injection (see fault/inject.py); '' in normal runs."""
+    return (os.environ if environ is None else environ).get(FAULT_INJECTION, "")
+
+
+def under_hpctrain_agent(environ: Mapping[str, str] | None = None) -> bool:
+    """True in workers started by hpctrain's torchrun wrapper, which reports their failures itself."""
+    return (os.environ if environ is None else environ).get(UNDER_AGENT) == "1"
+
+
+def mark_agent_environment() -> None:
+    """Called by the torchrun wrapper before it starts workers (they inherit the variable)."""
+    os.environ[UNDER_AGENT] = "1"
+
+
 def cpus_available() -> int:
     """CPUs this process may run on (Slurm's cpus-per-task binding shows up in the affinity mask)."""
     try:

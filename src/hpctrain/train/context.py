@@ -15,9 +15,24 @@ from hpctrain.config.schema import RunConfig
 from hpctrain.data.sampler import StepBatchSampler
 from hpctrain.dist.runtime import Runtime
 from hpctrain.experiments.base import Experiment
+from hpctrain.fault.heartbeat import Heartbeat
+from hpctrain.fault.signals import StopSignals
+from hpctrain.fault.vote import StepVote
 from hpctrain.metrics.sinks import MetricsLogger
 from hpctrain.train.precision import Precision
 from hpctrain.train.state import TrainState
+
+
+@dataclass
+class FaultState:
+    signals: StopSignals
+    """Records SIGTERM and the warning signal; read at step boundaries."""
+    vote: StepVote
+    """The asynchronous all-rank vote on stopping and saving."""
+    heartbeat: Heartbeat
+    """This rank's phase and step, for the watchdog."""
+    last_save: float = 0.0
+    """time.monotonic() of the last checkpoint (or of the start), for ckpt.every_minutes."""
 
 
 @dataclass
@@ -41,6 +56,7 @@ class TrainContext:
     state: TrainState
     total_steps: int
     checkpointer: Checkpointer
+    fault: FaultState
     metrics: MetricsLogger = field(default_factory=lambda: MetricsLogger([]))
     """Replaced once the start step is known (after restore); silent until then."""
 

@@ -6,6 +6,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from torch.distributed.elastic.multiprocessing.errors import record
+
 from hpctrain.checkpoint.manager import select_checkpoint
 from hpctrain.config import config_to_toml, load_config, plan_batches
 from hpctrain.config.schema import RunConfig
@@ -13,6 +15,7 @@ from hpctrain.dist.env import LaunchInfo, detect_launch
 from hpctrain.dist.launcher import run_forwarding_signals, torchrun_command
 from hpctrain.dist.runtime import distributed_session
 from hpctrain.experiments import Experiment, resolve_experiment
+from hpctrain.fault.alerts import resolve_webhook
 from hpctrain.logs import setup_logging
 from hpctrain.train.rundir import ensure_writable
 
@@ -56,6 +59,7 @@ def preflight(cfg: RunConfig, world_size: int, command: str = "train") -> None:
     if command == "train":
         plan_batches(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
         ensure_writable(run_dir)
+    resolve_webhook(cfg.alert)  # an unreadable alert.webhook_file is bad input, found before training
     # Cheap checks only (the workers verify checksums before loading).
     select_checkpoint(run_dir / "checkpoints", cfg.ckpt.resume, cfg.experiment, verify_checksums=False)
 
@@ -71,6 +75,7 @@ def train_command(req: TrainRequest) -> int:
     return _train_here(cls, cfg, launch, req)
 
 
+@record  # torchrun's error file: the launcher's failure report and alert then carry this rank's error
 def _train_here(cls: type[Experiment], cfg: RunConfig, launch: LaunchInfo, req: TrainRequest) -> int:
     setup_logging(launch.rank, launch.world_size, launch.hostname, req.debug)
     if req.nproc_per_node and launch.launcher != "single" and req.nproc_per_node != launch.local_world_size:
@@ -82,7 +87,8 @@ def _train_here(cls: type[Experiment], cfg: RunConfig, launch: LaunchInfo, req: 
     preflight(cfg, launch.world_size, req.command)
     from hpctrain.train.run import run_evaluation, run_training  # heavy imports only where work happens
 
-    run = run_training if req.command == "train" else run_evaluation
     with distributed_session(launch, cfg.dist) as runtime:
-        run(cfg, runtime, cls(cfg), config_to_toml(cfg))
-    return 0
+        if req.command == "eval":
+            run_evaluation(cfg, runtime, cls(cfg), config_to_toml(cfg))
+            return 0
+        return run_training(cfg, runtime, cls(cfg), config_to_toml(cfg)).exit_code

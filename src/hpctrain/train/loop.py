@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -16,10 +17,19 @@ from hpctrain.train.device import to_device
 from hpctrain.train.evaluate import evaluate
 
 
-def train(ctx: TrainContext) -> dict[str, float]:
-    """Run until ctx.end_step; returns the last validation metrics."""
+@dataclass(frozen=True)
+class LoopResult:
+    val: dict[str, float]
+    """The last validation metrics."""
+    stop_signal: int
+    """The signal that stopped the run early (after its checkpoint); 0 when it ran to its end."""
+
+
+def train(ctx: TrainContext) -> LoopResult:
+    """Run until ctx.end_step, or until a rank gets a stop signal; returns the last validation metrics."""
     window = _Window(ctx.state.step)
     last_val: dict[str, float] = {}
+    ctx.fault.last_save = time.monotonic()
     ctx.model.train()  # once: evaluate() puts the mode back
     while ctx.state.step < ctx.end_step:
         # The sampler restarts at the saved position; set before iter() because loader
@@ -32,27 +42,34 @@ def train(ctx: TrainContext) -> dict[str, float]:
             loss, grad_norm = optimizer_step(ctx, batches)
             ctx.state.advance(ctx.plan.global_batch_size, ctx.sampler.steps_per_epoch)
             window.add(loss, grad_norm)
-            last_val = after_step(ctx, window, epoch_ended=ctx.state.epoch != epoch) or last_val
-    return last_val
+            val, stop_signal = after_step(ctx, window, epoch_ended=ctx.state.epoch != epoch)
+            last_val = val or last_val
+            if stop_signal:
+                return LoopResult(last_val, stop_signal)
+    return LoopResult(last_val, 0)
 
 
 def optimizer_step(ctx: TrainContext, batches: Iterator) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One optimizer step over grad_accum micro-batches; returns this rank's mean loss (on device, no sync)."""
-    model, accum = ctx.model, ctx.plan.grad_accum
+    model, accum, hb = ctx.model, ctx.plan.grad_accum, ctx.fault.heartbeat
     loss_sum = torch.zeros((), device=ctx.runtime.device)
     for micro in range(accum):
+        hb.mark("data")
         batch = to_device(next(batches), ctx.runtime.device, ctx.cfg.train.channels_last)
         # DDP all-reduces gradients during backward; before the last micro-step that work
         # would be thrown away, so no_sync keeps the gradients local until then.
         last = micro == accum - 1
         sync = contextlib.nullcontext() if last or not isinstance(model, DDP) else model.no_sync()
         with sync:
+            hb.mark("forward")
             with ctx.precision.autocast():
                 loss = ctx.experiment.train_loss(model, batch)
+            hb.mark("backward")
             # loss is a micro-batch mean; / accum makes the accumulated gradient this rank's mean,
             # and DDP averages over ranks: the gradient of the mean over the global batch.
             ctx.scaler.scale(loss / accum).backward()
         loss_sum += loss.detach().float()
+    hb.mark("optimizer")
     grad_norm = None
     if ctx.cfg.train.grad_clip > 0:
         ctx.scaler.unscale_(ctx.optimizer)  # clip the true gradient, not the fp16-scaled one
@@ -66,20 +83,36 @@ def optimizer_step(ctx: TrainContext, batches: Iterator) -> tuple[torch.Tensor, 
     return loss_sum / accum, grad_norm
 
 
-def after_step(ctx: TrainContext, window: "_Window", epoch_ended: bool) -> dict[str, float] | None:
-    step, total, cfg = ctx.state.step, ctx.total_steps, ctx.cfg
-    if step % cfg.log.every_steps == 0 or step in (total, ctx.end_step):
+def after_step(ctx: TrainContext, window: "_Window", epoch_ended: bool) -> tuple[dict[str, float] | None, int]:
+    """Everything between two optimizer steps; returns (validation metrics or None, stop signal or 0)."""
+    step, total, cfg, fault = ctx.state.step, ctx.total_steps, ctx.cfg, ctx.fault
+    fault.heartbeat.mark("sync", step)
+    verdict = fault.vote.collect()  # cast one boundary ago: the same verdict on every rank
+    if step % cfg.log.every_steps == 0 or step in (total, ctx.end_step) or verdict.stop_signal:
         log_train(ctx, window)
     val = None
     every = cfg.eval.every_steps
     if ctx.val_loader is not None and (step == total or (every and step % every == 0) or (not every and epoch_ended)):
+        fault.heartbeat.mark("eval")
         # The EMA weights are the ones a run with EMA ships, so they are the ones validated.
         model = ctx.ema.module if ctx.ema is not None else ctx.raw_model
         val = evaluate(ctx.experiment, model, ctx.val_loader, ctx.runtime, ctx.precision, cfg.train.channels_last)
         ctx.metrics.log({"step": step, "split": "val", "epoch": ctx.state.epoch, **val})
-    if save_due(step, total, cfg.ckpt.every_steps) or step == ctx.end_step:
+    scheduled = save_due(step, total, cfg.ckpt.every_steps) or step == ctx.end_step
+    if scheduled or verdict.save_due or verdict.stop_signal:
+        fault.heartbeat.mark("checkpoint")
         ctx.checkpointer.save(ctx.state, ctx.stateful())
-    return val
+        fault.last_save = time.monotonic()
+    if verdict.stop_signal or step >= ctx.end_step:
+        return val, verdict.stop_signal  # leaving: cast nothing, so no collective is left pending
+    fault.vote.cast(fault.signals.received, _time_save_due(ctx))
+    return val, 0
+
+
+def _time_save_due(ctx: TrainContext) -> bool:
+    """Rank 0's clock decides for all (through the vote): clocks of different nodes disagree."""
+    minutes = ctx.cfg.ckpt.every_minutes
+    return ctx.runtime.is_main and minutes > 0 and time.monotonic() - ctx.fault.last_save >= minutes * 60
 
 
 def log_train(ctx: TrainContext, window: "_Window") -> None:

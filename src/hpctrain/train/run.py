@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from hpctrain.checkpoint.manager import Checkpointer
@@ -13,16 +14,23 @@ from hpctrain.config.schema import RunConfig
 from hpctrain.data.loader import KeyedDataset, build_loader
 from hpctrain.data.sampler import EvalBatchSampler, StepBatchSampler
 from hpctrain.dist.collectives import barrier
-from hpctrain.dist.env import stdout_is_terminal
+from hpctrain.dist.env import fault_injection_spec, stdout_is_terminal, under_hpctrain_agent
 from hpctrain.dist.runtime import Runtime
 from hpctrain.dist.wrap import unwrap_model, wrap_model
 from hpctrain.errors import UserError
 from hpctrain.experiments.base import Experiment
+from hpctrain.fault.alerts import Alerter, resolve_webhook
+from hpctrain.fault.heartbeat import Heartbeat, Watchdog, format_stuck
+from hpctrain.fault.inject import build_injector
+from hpctrain.fault.requeue import requeue_slurm_job
+from hpctrain.fault.signals import StopSignals, signal_name, stop_signal_names
+from hpctrain.fault.vote import StepVote
+from hpctrain.logs import recent_log_lines
 from hpctrain.metrics.plots import plot_training
 from hpctrain.metrics.records import read_metrics
 from hpctrain.metrics.sinks import build_metrics_logger
 from hpctrain.train import loop
-from hpctrain.train.context import TrainContext
+from hpctrain.train.context import FaultState, TrainContext
 from hpctrain.train.ema import build_ema
 from hpctrain.train.evaluate import evaluate
 from hpctrain.train.optim import build_optimizer, build_scheduler
@@ -79,28 +87,95 @@ def build_context(
         state=TrainState(),
         total_steps=total_steps,
         checkpointer=Checkpointer(run_dir, cfg.experiment, runtime, config_text, cfg.ckpt.keep_last),
+        fault=FaultState(
+            signals=StopSignals(),
+            vote=StepVote(runtime),
+            heartbeat=Heartbeat(runtime.rank, runtime.hostname, on_mark=build_injector(fault_injection_spec(), runtime.rank)),
+        ),
     )
 
 
-def run_training(cfg: RunConfig, runtime: Runtime, experiment: Experiment, config_text: str) -> dict[str, float]:
+@dataclass(frozen=True)
+class Outcome:
+    exit_code: int
+    """0 when the run reached its end (or train.stop_at_step); fault.exit_code after a preemption checkpoint."""
+    val: dict[str, float]
+    """The last validation metrics."""
+
+
+def run_training(cfg: RunConfig, runtime: Runtime, experiment: Experiment, config_text: str) -> Outcome:
     started = time.perf_counter()
     ctx = build_context(cfg, runtime, experiment, config_text)
-    resumed = ctx.checkpointer.restore(cfg.ckpt.resume, ctx.stateful(), cfg.run.seed)
-    if resumed is not None:
-        ctx.state = resumed.state
-    _announce(ctx, resumed)
-    ctx.metrics = build_metrics_logger(
-        runtime.is_main, Path(cfg.run_dir), cfg.log.progress, cfg.log.tensorboard,
-        ctx.total_steps, ctx.state.step, stdout_is_terminal(),
-    )
+    alerter = Alerter(resolve_webhook(cfg.alert), cfg.alert, cfg.run_name, cfg.run_dir, runtime.job_id, runtime.rank)
+    # Installed before the (possibly long) restore: a preemption then still ends in a clean stop.
+    ctx.fault.signals.install(stop_signal_names(cfg.fault.warning_signal))
+    watchdog = _start_watchdog(ctx, alerter)
     try:
-        final = loop.train(ctx)
+        resumed = ctx.checkpointer.restore(cfg.ckpt.resume, ctx.stateful(), cfg.run.seed)
+        if resumed is not None:
+            ctx.state = resumed.state
+        _announce(ctx, resumed)
+        ctx.metrics = build_metrics_logger(
+            runtime.is_main, Path(cfg.run_dir), cfg.log.progress, cfg.log.tensorboard,
+            ctx.total_steps, ctx.state.step, stdout_is_terminal(),
+        )
+        result = loop.train(ctx)
+    except BaseException as err:
+        ctx.fault.signals.uninstall()  # failing: the launcher's SIGTERM should now end this process at once
+        watchdog.stop("failed")
+        # Under hpctrain's torchrun wrapper the launcher reports the first failure once, for all ranks.
+        if not under_hpctrain_agent() and not isinstance(err, KeyboardInterrupt):
+            alerter.send("failure", last_step=ctx.state.step, exit_code=1, detail=f"{type(err).__name__}: {err}",
+                         log_tail=recent_log_lines())
+        raise
     finally:
         ctx.metrics.close()
+    watchdog.stop("done" if not result.stop_signal else "stopped")
+    if result.stop_signal:
+        # torchrun SIGTERMs the other workers as soon as one exits; a rank still finishing its exit must not
+        # die of it (exit -15 instead of fault.exit_code).
+        ctx.fault.signals.ignore_from_now()
+    else:
+        ctx.fault.signals.uninstall()
+    if result.stop_signal:
+        return _stopped(ctx, alerter, result)
     if runtime.is_main:
-        _finish(ctx, final, time.perf_counter() - started)
+        _finish(ctx, result.val, time.perf_counter() - started)
+        if ctx.state.step >= ctx.total_steps:
+            alerter.send("complete", last_step=ctx.state.step, exit_code=0,
+                         detail=", ".join(f"{k} {v:.4g}" for k, v in result.val.items()))
     barrier(runtime)
-    return final
+    return Outcome(0, result.val)
+
+
+def _start_watchdog(ctx: TrainContext, alerter: Alerter) -> Watchdog:
+    f = ctx.cfg.fault
+
+    def on_hang(stale: list[dict]) -> None:
+        alerter.send("hang", last_step=ctx.state.step, detail="no progress:\n" + format_stuck(stale),
+                     log_tail=recent_log_lines())
+
+    watchdog = Watchdog(ctx.fault.heartbeat, Path(ctx.cfg.run_dir) / "heartbeat", f.heartbeat_every_s,
+                        f.hang_timeout_s, ctx.runtime.is_main, on_hang)
+    watchdog.beat()  # the file exists from the start (tests and operators find the pid there)
+    watchdog.start()
+    return watchdog
+
+
+def _stopped(ctx: TrainContext, alerter: Alerter, result) -> Outcome:
+    """A stop signal: the checkpoint is saved on every rank; say so, requeue, exit with fault.exit_code."""
+    rt, f = ctx.runtime, ctx.cfg.fault
+    if rt.is_main:
+        log.warning(
+            "stopped by %s at step %d with a checkpoint; exit code %d means: resume me (same run dir)",
+            signal_name(result.stop_signal), ctx.state.step, f.exit_code,
+        )
+        alerter.send("requeue", last_step=ctx.state.step, exit_code=f.exit_code,
+                     detail=f"stopped by {signal_name(result.stop_signal)}", log_tail=recent_log_lines())
+    barrier(rt)  # every rank is past its save before the job can be requeued (which kills it)
+    if rt.is_main and f.requeue and rt.job_id:
+        requeue_slurm_job(rt.job_id)
+    return Outcome(f.exit_code, result.val)
 
 
 def _announce(ctx: TrainContext, resumed) -> None:

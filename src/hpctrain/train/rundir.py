@@ -10,7 +10,7 @@ from pathlib import Path
 from hpctrain.atomic import atomic_write_text
 from hpctrain.errors import UserError
 
-SUBDIRS = ("checkpoints", "plots")
+SUBDIRS = ("checkpoints", "plots", "heartbeat")
 
 
 def ensure_writable(run_dir: Path) -> None:

@@ -1,0 +1,1 @@
+"""Fault tolerance: preemption signals and the stop vote, requeue, heartbeat and hang watchdog, alerts."""

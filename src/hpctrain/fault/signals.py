@@ -1,0 +1,51 @@
+"""Signal handlers that only record: the loop acts at the next optimizer-step boundary.
+
+Doing work in a handler (saving, exiting) is unsafe: the signal can land inside a
+collective, a CUDA call or a half-written file, and the other ranks would not know.
+"""
+
+from __future__ import annotations
+
+import signal
+from types import FrameType
+
+
+class StopSignals:
+    """Records the last stop signal received (its number; 0 for none)."""
+
+    def __init__(self) -> None:
+        self.received = 0
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        self.received = signum
+
+    def install(self, names: list[str]) -> "StopSignals":
+        for name in names:
+            sig = getattr(signal, name)
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def ignore_from_now(self) -> None:
+        """After a stop is handled: ignore further stop signals until exit. Not a Python handler, because
+        CPython resets those to the default (die) at interpreter shutdown, and torchrun SIGTERMs a worker
+        still finishing its exit as soon as another worker has exited."""
+        for sig in self._previous:
+            signal.signal(sig, signal.SIG_IGN)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self._previous.clear()
+
+
+def stop_signal_names(warning_signal: str) -> list[str]:
+    """SIGTERM always (Slurm's time limit and preemption send it); plus the configured warning signal."""
+    return ["SIGTERM"] + ([warning_signal] if warning_signal not in ("none", "SIGTERM") else [])
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"

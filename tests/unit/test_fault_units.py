@@ -1,0 +1,146 @@
+import json
+import os
+import signal
+import stat
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpctrain.config.schema import AlertSection
+from hpctrain.dist.env import LaunchInfo
+from hpctrain.dist.runtime import Runtime
+from hpctrain.fault.alerts import Alerter, build_payload, choose_format, summary_text
+from hpctrain.fault.heartbeat import Heartbeat, Watchdog, read_heartbeats, stuck_ranks
+from hpctrain.fault.inject import build_injector, parse_faults
+from hpctrain.fault.requeue import requeue_slurm_job
+from hpctrain.fault.signals import StopSignals, stop_signal_names
+from hpctrain.fault.vote import NOTHING, StepVote
+
+SINGLE = Runtime(**vars(LaunchInfo("single", 0, 0, 1, 1, 0, 1, "127.0.0.1", 0, "h", "")), device=torch.device("cpu"), backend="")
+
+
+def test_signal_handler_only_records():
+    signals = StopSignals().install(stop_signal_names("SIGUSR2"))
+    try:
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert signals.received == signal.SIGUSR2
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert signals.received == signal.SIGTERM
+    finally:
+        signals.uninstall()
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    assert stop_signal_names("none") == ["SIGTERM"]
+
+
+def test_vote_is_collected_one_boundary_later():
+    vote = StepVote(SINGLE)
+    assert vote.collect() == NOTHING
+    vote.cast(15, False)
+    verdict = vote.collect()
+    assert verdict.stop_signal == 15 and not verdict.save_due
+    assert vote.collect() == NOTHING  # nothing pending any more
+    vote.cast(0, True)
+    assert vote.collect().save_due
+
+
+def test_fault_specs():
+    (f,) = parse_faults("hang:rank=1:step=3:seconds=2")
+    assert (f.action, f.rank, f.step, f.phase, f.seconds) == ("hang", 1, 3, "forward", 2.0)
+    assert len(parse_faults("crash:rank=0:step=1;kill:rank=1:step=2:phase=backward")) == 2
+    with pytest.raises(ValueError, match="unknown action"):
+        parse_faults("explode:rank=0:step=1")
+    assert build_injector("crash:rank=1:step=3", rank=0) is None
+    inject = build_injector("crash:rank=0:step=3:phase=backward", rank=0)
+    inject("forward", 3)
+    inject("backward", 2)
+    with pytest.raises(RuntimeError, match="injected crash"):
+        inject("backward", 3)
+    inject("backward", 3)  # fires once
+
+
+def test_watchdog_reports_a_stall_with_the_stack(tmp_path: Path):
+    seen = []
+    hb = Heartbeat(rank=0, host="h")
+    dog = Watchdog(hb, tmp_path, every_s=60, hang_timeout_s=0.05, is_main=True, on_hang=seen.append)
+    hb.mark("forward", 7)
+    dog.beat()
+    assert not seen and json.loads((tmp_path / "rank_0.json").read_text())["phase"] == "forward"
+    time.sleep(0.1)
+    dog.beat()
+    dog.beat()  # one report per stall
+    assert len(seen) == 1 and seen[0][0]["rank"] == 0 and seen[0][0]["phase"] == "forward"
+    text = (tmp_path / "stuck_rank_0.txt").read_text()
+    assert "phase 'forward' at step 7" in text and "test_watchdog_reports_a_stall_with_the_stack" in text
+    assert json.loads((tmp_path / "hang_report.json").read_text())["stuck"][0]["step"] == 7
+    dog.stop()
+    assert read_heartbeats(tmp_path)[0]["phase"] == "done"
+
+
+def test_stuck_ranks_oldest_first_and_done_ranks_are_not_stuck():
+    beats = [
+        {"rank": 0, "since": 100.0, "phase": "backward", "step": 5, "host": "a", "pid": 1},
+        {"rank": 1, "since": 90.0, "phase": "forward", "step": 5, "host": "b", "pid": 2},
+        {"rank": 2, "since": 10.0, "phase": "done", "step": 9, "host": "c", "pid": 3},
+    ]
+    assert [b["rank"] for b in stuck_ranks(beats, now=200.0, hang_timeout_s=50)] == [1, 0]
+
+
+def test_payload_shapes():
+    fields = {"event": "failure", "run": "r", "job_id": "7", "host": "n1", "rank": 1, "last_step": 12,
+              "exit_code": 137, "detail": "rank 1 killed by SIGKILL", "log_tail": ["a", "b"]}
+    assert build_payload("json", fields) == fields
+    slack = build_payload("slack", fields)
+    assert list(slack) == ["text"] and "FAILURE" in slack["text"] and "exit code 137" in slack["text"]
+    assert list(build_payload("discord", fields)) == ["content"]
+    assert choose_format("auto", "https://hooks.slack.com/services/T/B/x") == "slack"
+    assert choose_format("auto", "https://discord.com/api/webhooks/1/x") == "discord"
+    assert choose_format("auto", "https://chat.example.org/hooks/abc/slack") == "slack"
+    assert choose_format("auto", "https://example.org/hook") == "json"
+    assert "job 7 on n1, rank 1" in summary_text(fields)
+
+
+def test_dead_webhook_never_raises_and_never_logs_the_url(caplog):
+    alerter = Alerter("http://127.0.0.1:9/secret-token", AlertSection(timeout_s=1), "r", "d", "", 0)
+    assert alerter.send("failure", last_step=1) is False
+    assert "secret-token" not in caplog.text and "127.0.0.1" in caplog.text
+    bad = Alerter("notaurl-secret", AlertSection(), "r", "d", "", 0)
+    assert bad.send("failure", last_step=1) is False and "notaurl-secret" not in caplog.text
+    assert Alerter("", AlertSection(), "r", "d", "", 0).send("failure", last_step=1) is False
+    assert not Alerter("http://x", AlertSection(), "r", "d", "", 0).enabled("complete")  # not in default events
+
+
+def fake_scontrol(tmp_path: Path, code: int) -> Path:
+    record = tmp_path / "calls"
+    script = tmp_path / "bin" / "scontrol"
+    script.parent.mkdir()
+    script.write_text(f"#!/bin/sh\necho \"$@\" >> {record}\necho 'requeue refused' >&2\nexit {code}\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return record
+
+
+def test_requeue_calls_scontrol(tmp_path: Path, monkeypatch):
+    record = fake_scontrol(tmp_path, 0)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    assert requeue_slurm_job("4242") is True
+    assert record.read_text().split() == ["requeue", "4242"]
+
+
+def test_requeue_failures_are_explained_not_raised(tmp_path: Path, monkeypatch, caplog):
+    fake_scontrol(tmp_path, 1)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    assert requeue_slurm_job("1") is False and "requeue refused" in caplog.text and "--requeue" in caplog.text
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert requeue_slurm_job("1") is False and "not on PATH" in caplog.text
+
+
+def test_after_a_stop_signals_are_ignored_not_handled_in_python():
+    signals = StopSignals().install(["SIGTERM", "SIGUSR2"])
+    try:
+        signals.ignore_from_now()
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # survives interpreter shutdown, unlike a handler
+        os.kill(os.getpid(), signal.SIGUSR2)  # would end the process if it were not ignored
+    finally:
+        signals.uninstall()
+    assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
