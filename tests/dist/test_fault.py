@@ -199,3 +199,20 @@ def test_dead_webhook_does_not_fail_the_run(tmp_path: Path):
     done = train(tmp_path, 2, "train.max_steps=3", 'alert.events=["complete"]', env={"HPCTRAIN_ALERT_WEBHOOK": url})
     assert "alert 'complete' to webhook at 127.0.0.1 failed" in done.stderr
     assert_secret_absent(done, tmp_path)
+
+
+def test_plain_single_process_stops_on_sigterm_with_a_checkpoint(tmp_path: Path):
+    """No launcher at all: the handler in the one process, the same stop at a step boundary."""
+    result = train(tmp_path, 1, "train.max_steps=20", fault="signal:rank=0:step=4", expect=75)
+    assert "stopped by SIGTERM at step 6 with a checkpoint" in result.stderr
+    assert checkpoints(tmp_path) == ["step_00000006"]
+    assert "resume me" in result.stderr
+
+
+def test_time_based_checkpoints_are_agreed_by_all_ranks(tmp_path: Path):
+    """ckpt.every_minutes from rank 0's clock, through the vote: saves happen, on every rank alike (no hang)."""
+    result = train(tmp_path, 2, "train.max_steps=30", "ckpt.every_minutes=0.001", "ckpt.keep_last=100",
+                   "ckpt.every_steps=0")
+    saved = checkpoints(tmp_path)
+    assert len(saved) > 2 and saved[-1] == "step_00000030"  # time-based ones, then the final one
+    assert result.stderr.count("saved checkpoint") == len(saved)

@@ -27,11 +27,16 @@ def test_first_failure_prefers_the_cause_over_torchruns_shutdown_sigterm():
 
     from hpctrain.dist.torchrun_main import first_failure
 
+    lost_peer = {"message": "RuntimeError: [gloo/pair.cc:561] Connection closed by peer [127.0.0.1]:123. "
+                            "This is typically caused by a remote worker crashing."}
     err = SimpleNamespace(failures={
-        0: SimpleNamespace(timestamp=100, exitcode=-15),  # killed by torchrun's shutdown
-        1: SimpleNamespace(timestamp=100, exitcode=-9),   # the rank that died
-        2: SimpleNamespace(timestamp=99, exitcode=-15),   # earlier still: a real SIGTERM comes first
+        0: SimpleNamespace(timestamp=99, exitcode=1, message=lost_peer),  # its error came first, but says why
+        1: SimpleNamespace(timestamp=100, exitcode=-9, message=""),  # the rank that died, stamped when noticed
+        2: SimpleNamespace(timestamp=100, exitcode=-15, message=""),  # torchrun's shutdown
     })
-    assert first_failure(err)[0] == 2
-    del err.failures[2]
     assert first_failure(err)[0] == 1
+    del err.failures[1]
+    assert first_failure(err)[0] == 0  # only consequences left: the earliest
+    crash = SimpleNamespace(failures={0: SimpleNamespace(timestamp=100, exitcode=1, message="ValueError: bad batch"),
+                                      1: SimpleNamespace(timestamp=100, exitcode=1, message=lost_peer)})
+    assert first_failure(crash)[0] == 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -85,9 +86,12 @@ class Checkpointer:
         failure: Exception | None = None
         if self.runtime.is_main:
             try:
+                started = time.perf_counter()
                 path = storage.write_checkpoint(self.root, state.step, self._files(state, stateful, rng), self._meta(state))
+                seconds = time.perf_counter() - started
                 self._retire_old(path)
-                log.info("saved checkpoint %s", path)
+                size = sum(f.stat().st_size for f in path.iterdir())
+                log.info("saved checkpoint %s (%.1f MB in %.0f ms)", path, size / 1e6, seconds * 1000)
             except Exception as err:  # any failure must reach the other ranks, not leave them waiting
                 failure = err
         verdict = (f"{type(failure).__name__}: {failure}", isinstance(failure, OSError)) if failure else ("", False)

@@ -70,14 +70,15 @@ def describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
-def failure_message(failure) -> str:
-    """The worker's error from torchrun's error file (written by @record): a str, or a dict with 'message'."""
+def failure_message(failure, full: bool = False) -> str:
+    """The worker's error from torchrun's error file (written by @record): a str, or a dict with 'message'.
+    Its last line (the exception), or all of it."""
     message = failure.message
     if isinstance(message, dict):
         message = message.get("message", "")
-    if not isinstance(message, str) or message.startswith("To enable traceback"):
+    if not isinstance(message, str) or message.startswith("To enable traceback") or not message.strip():
         return ""
-    return message.strip().splitlines()[-1][:500] if message.strip() else ""
+    return message if full else message.strip().splitlines()[-1][:500]
 
 
 def _run_config():
@@ -92,10 +93,23 @@ def _run_config():
         return None
 
 
+# A worker whose error says a peer went away failed because of another worker, not first.
+CONSEQUENCE_MARKERS = (
+    "Connection closed by peer", "Connection reset by peer", "remote worker crashing",
+    "NCCL communicator was aborted", "Broken pipe",
+)
+
+
+def is_consequence(failure) -> bool:
+    """Evidently caused by another worker's failure: torchrun's shutdown SIGTERM, or a lost peer connection."""
+    return failure.exitcode == -signal.SIGTERM or any(m in failure_message(failure, full=True) for m in CONSEQUENCE_MARKERS)
+
+
 def first_failure(err: ChildFailedError):
-    """(rank, failure) that came first. torchrun's timestamps have 1 s resolution and its shutdown SIGTERMs the
-    surviving workers, so at a tie a death by SIGTERM is taken as a consequence, not the cause."""
-    return min(err.failures.items(), key=lambda kv: (kv[1].timestamp, kv[1].exitcode == -signal.SIGTERM, kv[0]))
+    """(rank, failure) that caused the others. torchrun's own pick goes by timestamp, but its timestamps have
+    1 s resolution, and a worker killed without an error file is stamped when torchrun notices, which can be
+    after the survivors' own errors about the lost peer. So evident consequences go last."""
+    return min(err.failures.items(), key=lambda kv: (is_consequence(kv[1]), kv[1].timestamp, kv[0]))
 
 
 def report(err: ChildFailedError) -> int:
