@@ -130,15 +130,14 @@ def run_training(cfg: RunConfig, runtime: Runtime, experiment: Experiment, confi
         raise
     finally:
         ctx.metrics.close()
-    watchdog.stop("done" if not result.stop_signal else "stopped")
     if result.stop_signal:
+        watchdog.stop("stopped")
         # torchrun SIGTERMs the other workers as soon as one exits; a rank still finishing its exit must not
         # die of it (exit -15 instead of fault.exit_code).
         ctx.fault.signals.ignore_from_now()
-    else:
-        ctx.fault.signals.uninstall()
-    if result.stop_signal:
         return _stopped(ctx, alerter, result)
+    watchdog.stop("done")
+    ctx.fault.signals.uninstall()
     if runtime.is_main:
         _finish(ctx, result.val, time.perf_counter() - started)
         if ctx.state.step >= ctx.total_steps:
@@ -162,7 +161,7 @@ def _start_watchdog(ctx: TrainContext, alerter: Alerter) -> Watchdog:
     return watchdog
 
 
-def _stopped(ctx: TrainContext, alerter: Alerter, result) -> Outcome:
+def _stopped(ctx: TrainContext, alerter: Alerter, result: loop.LoopResult) -> Outcome:
     """A stop signal: the checkpoint is saved on every rank; say so, requeue, exit with fault.exit_code."""
     rt, f = ctx.runtime, ctx.cfg.fault
     if rt.is_main:
