@@ -297,6 +297,3 @@ def field_docs(cls: type) -> dict[str, str]:
             docs[node.target.id] = nxt.value.value
     return docs
 
-
-def section_fields(cls: type) -> dict[str, dataclasses.Field]:
-    return {f.name: f for f in dataclasses.fields(cls)}

@@ -29,13 +29,6 @@ def all_reduce_sums(stats: Mapping[str, torch.Tensor | float], runtime: Runtime)
     return dict(zip(names, packed.tolist()))
 
 
-def all_reduce_tensor_sum(tensor: torch.Tensor, runtime: Runtime) -> torch.Tensor:
-    """Sum a tensor (e.g. a confusion matrix) over ranks, in place; returns it."""
-    if runtime.distributed:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor
-
-
 def broadcast_object(obj: Any, runtime: Runtime, src: int = 0) -> Any:
     if not runtime.distributed:
         return obj

@@ -85,11 +85,6 @@ def detect_launch(environ: Mapping[str, str] | None = None) -> LaunchInfo:
     return LaunchInfo("single", 0, 0, 1, 1, 0, 1, "127.0.0.1", 29500, host, job_id)
 
 
-def is_distributed_launch(environ: Mapping[str, str] | None = None) -> bool:
-    """True when a launcher (torchrun or srun with several tasks) already started us."""
-    return detect_launch(environ).launcher != "single"
-
-
 def _int(env: Mapping[str, str], name: str) -> int:
     try:
         return int(env[name])
