@@ -41,10 +41,34 @@ def run_hpctrain(args: list[str], timeout: float = 120, cwd: Path | None = None,
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        kill_tree(proc.pid)
+        out, err = proc.communicate(timeout=30)
         pytest.fail(f"hpctrain {' '.join(args)} hung for {timeout} s (hard timeout)\n{out}\n{err}")
     return Result(proc.returncode, out, err)
+
+
+def descendants(pid: int) -> list[int]:
+    """All processes below ``pid``, from /proc. torchrun's workers run in sessions of their own, so killing a
+    process group does not reach them."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                kids = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    for p in [pid, *descendants(pid)]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def final_params(run_dir: Path) -> dict:

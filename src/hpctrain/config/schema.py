@@ -97,6 +97,10 @@ class DataSection:
     """Keep loader workers alive between epochs instead of restarting them."""
     prefetch_factor: int = 2
     """Batches each worker loads ahead."""
+    worker_start: Literal["forkserver", "spawn", "fork"] = "forkserver"
+    """How loader workers start. fork copies a process that has threads (watchdog, process group), and a
+    child can deadlock in CPython's after-fork handler (seen here, 1 run in ~60); forkserver forks from a
+    clean single-threaded server. fork starts faster but is unsafe here. The dataset must be picklable."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -68,6 +68,7 @@ def loader_kwargs(cfg: DataSection, runtime: Runtime) -> dict[str, Any]:
         kwargs["persistent_workers"] = cfg.persistent_workers
         kwargs["prefetch_factor"] = cfg.prefetch_factor
         kwargs["worker_init_fn"] = ignore_stop_signals
+        kwargs["multiprocessing_context"] = cfg.worker_start
     return kwargs
 
 

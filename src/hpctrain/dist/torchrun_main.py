@@ -53,12 +53,29 @@ def child_pids(pid: int | None = None) -> list[int]:
     return children
 
 
+# After a forwarded SIGTERM the workers get this long to save and exit, then SIGKILL: torchrun's own
+# backstop (30 s) is bypassed by forwarding, and a hung worker must not keep the launcher alive forever.
+# Under Slurm, KillWait ends the step earlier anyway.
+TERM_GRACE_S = 120
+
+
+def _kill_children(signum: int = signal.SIGKILL, _frame=None) -> None:
+    for child in child_pids():
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _forward(signum: int, _frame) -> None:
     for child in child_pids():
         try:
             os.kill(child, signum)
         except ProcessLookupError:
             pass
+    if signum == signal.SIGTERM:
+        signal.signal(signal.SIGALRM, _kill_children)
+        signal.alarm(TERM_GRACE_S)
 
 
 def describe_exit(code: int) -> str:
