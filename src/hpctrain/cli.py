@@ -35,10 +35,76 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("--describe", action="store_true", help="list every key with its type, default and meaning")
     config.set_defaults(func=_config)
 
+    _add_slurm_parser(sub)
+
+    report = sub.add_parser("report", help="plots and a summary (Markdown + HTML) of a run dir's metrics and monitors")
+    report.add_argument("run_dir", help="the run directory")
+    report.add_argument("--debug", action="store_true", help="show tracebacks")
+    report.set_defaults(func=_report)
+
+    doctor = sub.add_parser("doctor", help="check the launch environment (inside a job: on every node via srun)")
+    doctor.add_argument("--json", action="store_true", help="print the findings as JSON")
+    doctor.add_argument("--debug", action="store_true", help="show tracebacks")
+    doctor.set_defaults(func=_doctor)
+
     experiments = sub.add_parser("experiments", help="list the built-in experiments")
     experiments.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     experiments.set_defaults(func=_experiments)
     return parser
+
+
+def _add_slurm_parser(sub) -> None:
+    slurm = sub.add_parser("slurm", help="render, check, submit and follow Slurm jobs")
+    ssub = slurm.add_subparsers(dest="slurm_command", required=True, metavar="SUBCOMMAND")
+    for name, text in (("render", "print the sbatch script"), ("check", "lint the job (exit 1 on errors)"),
+                       ("submit", "check, write the script into the run dir, sbatch it, print the job id")):
+        p = ssub.add_parser(name, help=text)
+        _add_run_args(p)
+        if name == "submit":
+            p.add_argument("--force", action="store_true", help="submit despite errors found by the check")
+        p.set_defaults(func=_slurm, command_name=name)
+    for name, text in (("status", "Slurm state and training progress"), ("cancel", "cancel the job"),
+                       ("logs", "print (or follow) the job's log")):
+        p = ssub.add_parser(name, help=text)
+        p.add_argument("target", metavar="RUN_DIR|JOB_ID", help="a run dir submitted from, or a job id")
+        p.add_argument("--debug", action="store_true", help="show tracebacks")
+        if name == "cancel":
+            p.add_argument("--signal", default="", metavar="SIG",
+                           help="instead of cancelling, send SIG (e.g. USR2: checkpoint and requeue) to the job")
+        if name == "logs":
+            p.add_argument("-n", "--lines", type=int, default=40, help="lines from the end (default 40)")
+            p.add_argument("-f", "--follow", action="store_true", help="keep printing as the log grows")
+        p.set_defaults(func=_slurm, command_name=name)
+
+
+def _slurm(args: argparse.Namespace) -> int:
+    from hpctrain.slurm import commands
+
+    name = args.command_name
+    if name in ("render", "check", "submit"):
+        sources = (args.experiment, args.config_file, tuple(args.overrides))
+        if name == "render":
+            return commands.render_command(*sources)
+        if name == "check":
+            return commands.check_command(*sources)
+        return commands.submit_command(*sources, force=args.force)
+    if name == "status":
+        return commands.status_command(args.target)
+    if name == "cancel":
+        return commands.cancel_command(args.target, args.signal)
+    return commands.logs_command(args.target, args.lines, args.follow)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from hpctrain.monitor.report import report_command
+
+    return report_command(args.run_dir)
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from hpctrain.doctor import doctor_command
+
+    return doctor_command(as_json=args.json)
 
 
 def _add_launch_args(p: argparse.ArgumentParser) -> None:

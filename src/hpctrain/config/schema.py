@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import re
 import textwrap
 from dataclasses import dataclass, field
 from functools import cache
@@ -178,6 +179,73 @@ class AlertSection:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SlurmSection:
+    job_name: str = ""
+    """Slurm job name (%x in output paths). Empty: the run name."""
+    partition: str = ""
+    """Partition (--partition). Empty: the cluster's default."""
+    account: str = ""
+    """Account to charge (--account). Empty: your default account."""
+    qos: str = ""
+    """Quality of service (--qos). Empty: the default."""
+    nodes: int = 1
+    """Number of nodes. One launcher (torchrun) runs per node."""
+    gpus_per_node: int = 1
+    """Training processes per node, one per GPU. With slurm.gpus=false (CPU-only nodes) the number of gloo
+    processes per node."""
+    gpus: bool = True
+    """Request GPUs (--gres=gpu[:TYPE]:N). false for CPU-only nodes: no --gres, gloo processes."""
+    gpu_type: str = ""
+    """GPU type in the gres request (e.g. a100 gives --gres=gpu:a100:N). Empty: any GPU."""
+    cpus_per_task: int = 0
+    """CPUs for each node's launcher and all its processes and loader workers. 0: 8 per process."""
+    mem: str = ""
+    """Memory per node (--mem, e.g. 200G; 0 means all of the node). Empty: the cluster's default."""
+    time: str = "01:00:00"
+    """Time limit ([D-]HH:MM:SS or minutes). The job is warned slurm.signal_lead_s before it."""
+    constraint: str = ""
+    """Node features (--constraint), e.g. 'a100&ib'. Empty: none."""
+    exclusive: bool = False
+    """Whole nodes only (--exclusive)."""
+    extra_sbatch: tuple[str, ...] = ()
+    """Further sbatch options, one per item without '#SBATCH', e.g. ['--mail-type=END', '--reservation=big']."""
+    modules: tuple[str, ...] = ()
+    """Environment modules to load after 'module purge' (e.g. ['CUDA/12.4', 'NCCL']). Empty: no module commands."""
+    setup: tuple[str, ...] = ()
+    """Shell lines run before the launch (e.g. 'conda activate torch'). Taken verbatim: they are your shell code."""
+    python: str = ""
+    """Python interpreter that runs hpctrain on the nodes. Empty: the interpreter that renders the script (the
+    same environment), or 'python' inside a container."""
+    container: str = ""
+    """Apptainer/Singularity image (.sif) to run the training in. Empty: no container."""
+    container_runtime: Literal["apptainer", "singularity"] = "apptainer"
+    """Command that runs the container."""
+    container_binds: tuple[str, ...] = ()
+    """Extra bind mounts (SRC[:DST]) besides the run dir and the working directory, e.g. the data directory."""
+    requeue: bool = True
+    """Let Slurm requeue the job (--requeue); hpctrain requeues it itself after a preemption checkpoint."""
+    signal_lead_s: int = 120
+    """Seconds before the time limit at which Slurm sends fault.warning_signal (to the batch shell, which passes
+    it on to every process). 0: no warning signal."""
+    nccl: Literal["infiniband", "ethernet", "none"] = "none"
+    """NCCL network preset. infiniband: NCCL_NET=IB (fail loudly rather than fall back to slow sockets),
+    GPUDirect RDMA up to the PCIe host bridge; ethernet: NCCL_NET=Socket, InfiniBand off; none: set nothing and
+    let NCCL detect the network."""
+    nccl_socket_ifname: str = ""
+    """NCCL_SOCKET_IFNAME (e.g. ib0, or ^lo,docker for 'not these'). Empty: let NCCL choose."""
+    nccl_debug: Literal["", "VERSION", "WARN", "INFO", "TRACE"] = "WARN"
+    """NCCL_DEBUG level. WARN keeps logs small but shows errors; INFO to debug the network setup."""
+    env: tuple[str, ...] = ()
+    """Extra environment variables, as 'NAME=value' items; values are passed literally (no shell expansion)."""
+    monitor_every_s: int = 5
+    """Each node records 'top -b' (and 'nvidia-smi dmon' where GPUs exist) every this many seconds into
+    RUN_DIR/monitor; 0 disables the monitors."""
+    port: int = 0
+    """Rendezvous port on the first node. 0: derived from the job id (15000 + id % 15000), so that two jobs
+    sharing a node do not collide."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class NoModelOptions:
     """Placeholder [model] section for experiments without options."""
 
@@ -195,6 +263,7 @@ SECTIONS: dict[str, type] = {
     "dist": DistSection,
     "fault": FaultSection,
     "alert": AlertSection,
+    "slurm": SlurmSection,
 }
 
 
@@ -222,6 +291,8 @@ class RunConfig:
     """Preemption, requeue, heartbeat and hang detection."""
     alert: AlertSection = field(default_factory=AlertSection)
     """Webhook alerts."""
+    slurm: SlurmSection = field(default_factory=SlurmSection)
+    """Job script settings for 'hpctrain slurm render|submit|check'."""
     model: Any = field(default_factory=NoModelOptions)
     """The experiment's own options (its config_class)."""
 
@@ -279,6 +350,40 @@ def validate(cfg: RunConfig) -> None:
     _require(not bad, "alert.events", f"unknown event(s) {bad}; choose from {sorted(ALERT_EVENTS)}")
     _require(cfg.alert.timeout_s > 0, "alert.timeout_s", "must be positive")
     _require(cfg.dist.bucket_cap_mb > 0, "dist.bucket_cap_mb", "must be positive")
+    _validate_slurm(cfg.slurm)
+
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _validate_slurm(s: "SlurmSection") -> None:
+    from hpctrain.slurm.timelimit import time_limit_seconds
+
+    _require(s.nodes > 0, "slurm.nodes", f"must be positive, got {s.nodes}")
+    _require(s.gpus_per_node > 0, "slurm.gpus_per_node", f"must be positive (processes per node), got {s.gpus_per_node}")
+    _require(s.cpus_per_task >= 0, "slurm.cpus_per_task", "must be >= 0 (0: 8 per process)")
+    _require(s.signal_lead_s >= 0, "slurm.signal_lead_s", "must be >= 0 (0: no warning signal)")
+    _require(s.monitor_every_s >= 0, "slurm.monitor_every_s", "must be >= 0 (0 disables the monitors)")
+    _require(s.port == 0 or 1024 <= s.port <= 65535, "slurm.port", "must be 0 (from the job id) or in 1024..65535")
+    try:
+        time_limit_seconds(s.time)
+    except ValueError:
+        _require(False, "slurm.time", f"{s.time!r} is not a Slurm time limit",
+                 "use [D-]HH:MM:SS, MM, or D-HH, e.g. slurm.time=\"1-00:00:00\" for one day")
+    for f in dataclasses.fields(s):
+        # A newline would end an #SBATCH line and start a shell command: no control characters anywhere.
+        values = getattr(s, f.name)
+        for v in values if isinstance(values, tuple) else (values,):
+            _require(not (isinstance(v, str) and any(ord(c) < 32 or ord(c) == 127 for c in v)),
+                     f"slurm.{f.name}", "must not contain newlines or other control characters")
+    _require("/" not in s.job_name, "slurm.job_name", "must not contain '/' (it names the log file, %x_%j.out)")
+    for item in s.env:
+        name, eq, _ = item.partition("=")
+        _require(bool(eq) and bool(_ENV_NAME.match(name)), "slurm.env",
+                 f"{item!r} is not NAME=value (NAME: letters, digits, underscore)")
+    for item in s.extra_sbatch:
+        _require(item.startswith("-"), "slurm.extra_sbatch",
+                 f"{item!r} is not an sbatch option; write e.g. '--mail-type=END' (without '#SBATCH')")
 
 
 @cache

@@ -238,3 +238,24 @@ def stdout_is_terminal() -> bool:
     import sys
 
     return sys.stdout.isatty() and os.environ.get("TERM", "") != "dumb"
+
+
+MONITOR_DIR = "HPCTRAIN_MONITOR_DIR"  # set by the rendered job script: where each node's monitors write
+MONITOR_EVERY = "HPCTRAIN_MONITOR_EVERY"
+
+
+def monitor_settings(environ: Mapping[str, str] | None = None) -> tuple[str, int]:
+    """(directory, interval in seconds) for the node monitors; ('', 0) when the job did not ask for them."""
+    env = os.environ if environ is None else environ
+    try:
+        every = int(env.get(MONITOR_EVERY, "0"))
+    except ValueError:
+        every = 0
+    directory = env.get(MONITOR_DIR, "")
+    return (directory, every) if directory and every > 0 else ("", 0)
+
+
+def module_system_present(environ: Mapping[str, str] | None = None) -> bool:
+    """Environment modules (Lmod or Tcl modules) are set up in this shell."""
+    env = os.environ if environ is None else environ
+    return bool(env.get("LMOD_CMD") or env.get("MODULESHOME"))

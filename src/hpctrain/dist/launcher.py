@@ -27,7 +27,7 @@ def torchrun_command(nproc_per_node: int, module_args: Sequence[str]) -> list[st
     ]
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:  # runs in the child between fork and exec
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:  # pragma: no cover - not glibc Linux
@@ -36,7 +36,7 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 def run_forwarding_signals(cmd: Sequence[str]) -> int:
     """Run ``cmd``; forward our signals to it; return its exit code (128+N if killed by signal N)."""
-    proc = subprocess.Popen(list(cmd), start_new_session=True, preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(list(cmd), start_new_session=True, preexec_fn=die_with_parent)
 
     def forward(signum, _frame) -> None:
         if proc.poll() is None:

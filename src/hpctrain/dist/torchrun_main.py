@@ -31,6 +31,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun
 
 from hpctrain.dist.env import mark_agent_environment
+from hpctrain.monitor.sidecars import node_monitors
 
 FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
@@ -187,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     for sig in FORWARDED:
         signal.signal(sig, _forward)
     try:
-        torchrun(argv)
+        with node_monitors():  # only inside a job script that asked for them
+            torchrun(argv)
     except ChildFailedError as err:
         return report(err)
     finally:

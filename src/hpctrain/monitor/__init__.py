@@ -1,0 +1,1 @@
+"""Node monitors started with each node's launcher, and the report built from their logs."""

@@ -1,0 +1,1 @@
+"""Slurm job scripts: render (pure), lint, and thin wrappers around sbatch/squeue/scontrol/scancel."""

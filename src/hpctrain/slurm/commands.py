@@ -1,0 +1,114 @@
+"""`hpctrain slurm render|check|submit|status|cancel|logs`: glue between the CLI and slurm/*."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from hpctrain.config.schema import RunConfig
+from hpctrain.errors import UserError
+from hpctrain.metrics.records import read_metrics
+from hpctrain.slurm import job, lint, render
+
+
+def _resolve(experiment: str, config_file: str | None, overrides: tuple[str, ...]) -> RunConfig:
+    from hpctrain.train.entry import resolve
+
+    return resolve(experiment, config_file, overrides)[1]
+
+
+def render_command(experiment: str, config_file: str | None, overrides: tuple[str, ...]) -> int:
+    cfg = _resolve(experiment, config_file, overrides)
+    print(render.render_script(job.job_spec(cfg)), end="")
+    return 0
+
+
+def check_findings(cfg: RunConfig, spec: render.JobSpec) -> list[lint.Finding]:
+    findings = lint.lint(cfg, spec, lint.gather_facts(cfg, spec))
+    for f in findings:
+        print(f.format(), file=sys.stderr)
+    return findings
+
+
+def check_command(experiment: str, config_file: str | None, overrides: tuple[str, ...]) -> int:
+    cfg = _resolve(experiment, config_file, overrides)
+    findings = check_findings(cfg, job.job_spec(cfg))
+    errors = sum(f.level == "error" for f in findings)
+    print(f"hpctrain slurm check: {errors} error(s), {len(findings) - errors} warning(s)", file=sys.stderr)
+    return 1 if errors else 0
+
+
+def submit_command(experiment: str, config_file: str | None, overrides: tuple[str, ...], force: bool) -> int:
+    cfg = _resolve(experiment, config_file, overrides)
+    spec = job.job_spec(cfg)
+    findings = check_findings(cfg, spec)
+    errors = [f for f in findings if f.level == "error"]
+    if errors and not force:
+        raise UserError(f"not submitted: {len(errors)} error(s) in the job (listed above)",
+                        "fix them, or submit anyway with --force if you know better than the check.")
+    job_id = job.submit(render.render_script(spec), Path(spec.run_dir))
+    print(job_id)
+    print(f"hpctrain: submitted job {job_id}; run dir {spec.run_dir}\n"
+          f"  hpctrain slurm status {spec.run_dir}\n  hpctrain slurm logs {spec.run_dir} --follow", file=sys.stderr)
+    return 0
+
+
+def status_command(target: str) -> int:
+    job_id, run_dir = job.resolve_target(target)
+    fields = job.job_state(job_id)
+    if not fields:
+        print(f"job {job_id}: unknown to Slurm (ended long ago, and no accounting database to ask)")
+    else:
+        restarts = fields.get("Restarts", "0")
+        print(f"job {job_id}: {fields.get('JobState', '?')}"
+              + (f" ({fields['Reason']})" if fields.get("Reason", "None") not in ("None", "") else "")
+              + f", run time {fields.get('RunTime', '?')} of {fields.get('TimeLimit', '?')}"
+              + f", nodes {fields.get('NodeList', '?') or '-'}"
+              + (f", exit code {fields['ExitCode']}" if fields.get("ExitCode") not in (None, "0:0") else "")
+              + (f", requeued {restarts} time(s)" if restarts not in ("0", "") else ""))
+    if run_dir is not None:
+        print(progress_line(run_dir))
+    return 0
+
+
+def progress_line(run_dir: Path) -> str:
+    """Training progress from the run dir: last step, loss, validation metrics, newest checkpoint."""
+    metrics = run_dir / "metrics.jsonl"
+    records = read_metrics(metrics) if metrics.exists() else []
+    train = [r for r in records if r["split"] == "train"]
+    val = [r for r in records if r["split"] == "val"]
+    latest = run_dir / "checkpoints" / "latest"
+    parts = [f"run {run_dir}:"]
+    if train:
+        parts.append(f"step {train[-1]['step']}, train loss {train[-1].get('loss', float('nan')):.4g}")
+    else:
+        parts.append("no training step logged yet")
+    if val:
+        shown = {k: v for k, v in val[-1].items() if k not in ("step", "split", "time", "epoch")}
+        parts.append(f"val at step {val[-1]['step']}: " + ", ".join(f"{k} {v:.4g}" for k, v in shown.items()
+                                                                   if isinstance(v, (int, float))))
+    parts.append(f"checkpoint {latest.read_text().strip()}" if latest.exists() else "no checkpoint yet")
+    return " ".join(parts[:2]) + ("; " + "; ".join(parts[2:]) if len(parts) > 2 else "")
+
+
+def cancel_command(target: str, signal: str) -> int:
+    job_id, _ = job.resolve_target(target)
+    job.cancel(job_id, signal)
+    print(f"job {job_id}: " + (f"sent {signal} to the batch shell, which passes it to every task" if signal else "cancelled"))
+    return 0
+
+
+def logs_command(target: str, lines: int, follow: bool) -> int:
+    job_id, run_dir = job.resolve_target(target)
+    files = job.log_files(job_id, run_dir)
+    if not files:
+        raise UserError(f"no log file of job {job_id} yet",
+                        "a pending job has no log; check 'hpctrain slurm status' (the log appears when it starts).")
+    path = files[-1]
+    if follow:
+        os.execvp("tail", ["tail", "-n", str(lines), "-F", str(path)])
+    text = path.read_text(errors="replace").splitlines()
+    print(f"==> {path} <==")
+    print("\n".join(text[-lines:]))
+    return 0

@@ -1,0 +1,288 @@
+"""The sbatch script, as a pure function of a :class:`JobSpec` (golden-tested).
+
+The pattern is the one of the HPC guides (one torchrun per node, MASTER_ADDR from the
+node list, c10d rendezvous), plus what they leave out and users get wrong:
+
+- ``set -euo pipefail``; ``srun --kill-on-bad-exit=1`` so one failed node ends the job.
+- ``--cpus-per-task`` given to srun explicitly: since Slurm 22.05 srun no longer inherits
+  it from sbatch, and the loader workers would share one CPU.
+- No ``--node_rank=$SLURM_NODEID`` (expanded once, in the batch shell, it is 0 for every
+  node); the c10d rendezvous assigns ranks.
+- A rendezvous port derived from the job id, and ``--standalone`` on one node, so two jobs
+  on one node do not collide.
+- The preemption path of the fault-tolerance design: ``--signal=B:SIG@LEAD`` reaches the
+  batch shell, whose trap passes it to srun, which passes it to every task; the launcher
+  forwards it to the workers, which save, requeue and exit with fault.exit_code.
+- ``--open-mode=append`` so a requeued job keeps its first log; the resolved config is
+  embedded (a later edit of the TOML file cannot change a requeued run); the exact launch
+  command is saved in the run dir.
+
+Every user value is quoted: for the shell with :func:`shlex.quote`, and on ``#SBATCH``
+lines in sbatch's own double-quote syntax. Values cannot hold newlines (the config rejects
+control characters), so nothing can end a line early.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+
+from hpctrain.config.schema import SlurmSection
+
+CONFIG_DELIMITER = "HPCTRAIN_CONFIG_EOF"
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSpec:
+    """Everything the script depends on; built by :func:`hpctrain.slurm.job.job_spec`."""
+
+    slurm: SlurmSection
+    """The [slurm] section."""
+    job_name: str
+    """Resolved job name (slurm.job_name or the run name)."""
+    experiment: str
+    """Experiment name or module:Class, as given."""
+    config_toml: str
+    """The resolved config, embedded in the script and written to the run dir by the job."""
+    run_dir: str
+    """Absolute run directory (must be visible from every node)."""
+    workdir: str
+    """Absolute directory the job runs in (where 'module:Class' experiments are importable from)."""
+    python: str
+    """Interpreter on the nodes."""
+    venv: str
+    """Virtual environment to activate ('' for none)."""
+    warning_signal: str
+    """fault.warning_signal, e.g. SIGUSR2, or 'none'."""
+    version: str
+    """hpctrain version, for the header."""
+
+
+def sbatch_quote(value: str) -> str:
+    """A value for an ``#SBATCH`` line: sbatch splits at spaces, honours double quotes and backslashes."""
+    if value and all(c.isalnum() or c in "-_.:/%@=+," for c in value):
+        return value
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def q(value: str) -> str:
+    return shlex.quote(str(value))
+
+
+def cpus_per_task(s: SlurmSection) -> int:
+    return s.cpus_per_task or 8 * s.gpus_per_node
+
+
+def rendezvous_port(s: SlurmSection) -> str:
+    return str(s.port) if s.port else "$(( 15000 + SLURM_JOB_ID % 15000 ))"
+
+
+def render_script(spec: JobSpec) -> str:
+    """The complete sbatch script."""
+    parts = [
+        _header(spec),
+        _sbatch_lines(spec),
+        _preamble(spec),
+        _environment(spec),
+        _network(spec),
+        _config(spec),
+        _launch(spec),
+    ]
+    return "\n".join(p for p in parts if p) + "\n"
+
+
+def _header(spec: JobSpec) -> str:
+    return (
+        "#!/bin/bash\n"
+        f"# Written by hpctrain {spec.version} for experiment {spec.experiment!r}.\n"
+        "# Change the [slurm] config and render again rather than editing this file:\n"
+        "#   hpctrain slurm render EXPERIMENT --config FILE [key=value ...]"
+    )
+
+
+def _sbatch_lines(spec: JobSpec) -> str:
+    s = spec.slurm
+    opts: list[tuple[str, str | None]] = [
+        ("--job-name", spec.job_name),
+        ("--nodes", str(s.nodes)),
+        ("--ntasks-per-node", "1"),
+        ("--cpus-per-task", str(cpus_per_task(s))),
+    ]
+    if s.gpus:
+        opts.append(("--gres", f"gpu:{s.gpu_type + ':' if s.gpu_type else ''}{s.gpus_per_node}"))
+    opts += [("--time", s.time)]
+    for key, value in (("--partition", s.partition), ("--account", s.account), ("--qos", s.qos),
+                       ("--mem", s.mem), ("--constraint", s.constraint)):
+        if value:
+            opts.append((key, value))
+    if s.exclusive:
+        opts.append(("--exclusive", None))
+    opts += [
+        ("--output", f"{spec.run_dir}/logs/%x_%j.out"),
+        ("--open-mode", "append"),
+    ]
+    opts.append(("--requeue", None) if s.requeue else ("--no-requeue", None))
+    if spec.warning_signal != "none" and s.signal_lead_s:
+        opts.append(("--signal", f"B:{spec.warning_signal.removeprefix('SIG')}@{s.signal_lead_s}"))
+    lines = [f"#SBATCH {k}" if v is None else f"#SBATCH {k}={sbatch_quote(v)}" for k, v in opts]
+    lines += [f"#SBATCH {_extra_option(item)}" for item in s.extra_sbatch]
+    return "\n".join(lines)
+
+
+def _extra_option(item: str) -> str:
+    key, eq, value = item.partition("=")
+    return f"{key}={sbatch_quote(value)}" if eq else sbatch_quote(key)
+
+
+def _preamble(spec: JobSpec) -> str:
+    return "\n".join([
+        "",
+        "set -euo pipefail",
+        f"RUN_DIR={q(spec.run_dir)}",
+        f"cd {q(spec.workdir)}",
+        'mkdir -p "$RUN_DIR/logs" "$RUN_DIR/slurm" "$RUN_DIR/monitor"',
+        'echo "hpctrain: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST, '
+        'started $(date -Is)"',
+    ])
+
+
+def _environment(spec: JobSpec) -> str:
+    s = spec.slurm
+    lines = ["", "# --- environment ---"]
+    if s.modules:
+        lines += ["module purge", "module load " + " ".join(q(m) for m in s.modules)]
+    if spec.venv and not s.container:
+        # activate scripts read unset variables; set -u would stop the job
+        lines += ["set +u", f"source {q(spec.venv + '/bin/activate')}", "set -u"]
+    lines += list(s.setup)
+    per_task = cpus_per_task(s)
+    lines += [
+        "# srun does not inherit --cpus-per-task since Slurm 22.05: pass it on, or every task gets one CPU",
+        f"export SRUN_CPUS_PER_TASK={per_task}",
+        f"export OMP_NUM_THREADS={max(1, per_task // s.gpus_per_node // 2)}",
+        "export PYTHONUNBUFFERED=1",
+    ]
+    lines += [f"export {name}={q(value)}" for name, _, value in (e.partition("=") for e in s.env)]
+    if s.monitor_every_s:
+        lines += [
+            "# each node's launcher records top (and nvidia-smi dmon) into the run dir and stops them on exit",
+            'export HPCTRAIN_MONITOR_DIR="$RUN_DIR/monitor"',
+            f"export HPCTRAIN_MONITOR_EVERY={s.monitor_every_s}",
+        ]
+    return "\n".join(lines)
+
+
+NCCL_PRESETS = {
+    "infiniband": [("NCCL_NET", "IB"), ("NCCL_IB_DISABLE", "0"), ("NCCL_NET_GDR_LEVEL", "PHB")],
+    "ethernet": [("NCCL_NET", "Socket"), ("NCCL_IB_DISABLE", "1")],
+    "none": [],
+}
+
+
+def _network(spec: JobSpec) -> str:
+    s = spec.slurm
+    lines = ["", "# --- network ---"]
+    preset = s.nccl
+    if preset != "none" or s.nccl_socket_ifname or s.nccl_debug:
+        lines.append(f"# NCCL preset: {preset}")
+    lines += [f"export {k}={v}" for k, v in NCCL_PRESETS[preset]]
+    if s.nccl_socket_ifname:
+        lines.append(f"export NCCL_SOCKET_IFNAME={q(s.nccl_socket_ifname)}")
+    if s.nccl_debug:
+        lines.append(f"export NCCL_DEBUG={s.nccl_debug}")
+    if s.nodes > 1:
+        lines += [
+            'mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+            'export MASTER_ADDR="${NODES[0]}"',
+            f"export MASTER_PORT={rendezvous_port(s)}",
+        ]
+    return "\n".join(lines)
+
+
+def _config(spec: JobSpec) -> str:
+    return "\n".join([
+        "",
+        "# --- the resolved config, fixed at render time (a requeued job runs the same config) ---",
+        'CONFIG="$RUN_DIR/slurm/config_$SLURM_JOB_ID.toml"',
+        f"cat > \"$CONFIG.tmp\" <<'{CONFIG_DELIMITER}'",
+        spec.config_toml.rstrip("\n"),
+        CONFIG_DELIMITER,
+        'mv -f "$CONFIG.tmp" "$CONFIG"',
+    ])
+
+
+def launcher_args(spec: JobSpec) -> list[str]:
+    """torchrun arguments (shell words; the $VARIABLES are expanded by the batch shell)."""
+    s = spec.slurm
+    if s.nodes == 1:
+        return ["--standalone", "--nnodes=1", f"--nproc-per-node={s.gpus_per_node}"]
+    return [
+        '--nnodes="$SLURM_JOB_NUM_NODES"', f"--nproc-per-node={s.gpus_per_node}",
+        "--rdzv-backend=c10d", '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"', '--rdzv-id="$SLURM_JOB_ID"',
+        "--max-restarts=0",
+    ]
+
+
+def _container_prefix(spec: JobSpec) -> list[str]:
+    s = spec.slurm
+    if not s.container:
+        return []
+    words = [s.container_runtime, "exec"]
+    if s.gpus:
+        words.append("--nv")
+    binds = ['"$RUN_DIR"', q(spec.workdir)] + [q(b) for b in s.container_binds]
+    for b in binds:
+        words += ["--bind", b]
+    return words + [q(s.container)]
+
+
+def _launch(spec: JobSpec) -> str:
+    s = spec.slurm
+    python = spec.python if not s.container else (spec.python if spec.slurm.python else "python")
+    cmd = ["srun", "--kill-on-bad-exit=1", "--ntasks-per-node=1", f"--cpus-per-task={cpus_per_task(s)}"]
+    cmd += _container_prefix(spec)
+    cmd += [q(python), "-u", "-m", "hpctrain.dist.torchrun_main"] + launcher_args(spec)
+    cmd += ["-m", "hpctrain", "train", q(spec.experiment), '--config "$CONFIG"']
+    lines = [
+        "",
+        "# --- launch: one torchrun per node ---",
+        "LAUNCH=(" + " ".join(cmd) + ")",
+        'printf "%q " "${LAUNCH[@]}" > "$RUN_DIR/slurm/launch_$SLURM_JOB_ID.sh"',
+        'echo "hpctrain: launching: $(cat "$RUN_DIR/slurm/launch_$SLURM_JOB_ID.sh")"',
+        "",
+        "# Slurm's job statistics go into the run dir: sstat while the step runs, sacct (and seff) at the end.",
+        "job_stats() {",
+        '  local out="$RUN_DIR/monitor/sstat_$SLURM_JOB_ID.txt"',
+        '  # keep the last snapshot of a running step (sstat shows nothing once a step has ended)',
+        '  if sstat --allsteps --parsable2 --format=JobID,AveCPU,MaxRSS,MaxRSSNode,AveRSS,MaxDiskRead,MaxDiskWrite '
+        '-j "$SLURM_JOB_ID" > "$out.tmp" 2> /dev/null && [ "$(wc -l < "$out.tmp")" -gt 1 ]; then '
+        'mv -f "$out.tmp" "$out"; else rm -f "$out.tmp"; fi',
+        "}",
+        "finish() {",
+        '  sacct --parsable2 --format=JobID,JobName,State,ExitCode,Elapsed,TotalCPU,MaxRSS,NodeList '
+        '-j "$SLURM_JOB_ID" > "$RUN_DIR/monitor/sacct_$SLURM_JOB_ID.txt" 2>&1 || true',
+        '  if command -v seff > /dev/null; then seff "$SLURM_JOB_ID" > "$RUN_DIR/monitor/seff_$SLURM_JOB_ID.txt" 2>&1 || true; fi',
+        '  if [ -n "${STATS_PID:-}" ]; then kill "$STATS_PID" 2> /dev/null || true; fi',
+        "}",
+        "trap finish EXIT",
+    ]
+    if spec.warning_signal != "none":
+        sig = spec.warning_signal.removeprefix("SIG")
+        lines += [
+            f"# --signal=B:{sig} reaches only this shell: pass it to srun, which passes it to every task",
+            f'trap \'echo "hpctrain: got SIG{sig}, passing it to the job step"; '
+            f'kill -{sig} "${{SRUN_PID:-}}" 2> /dev/null || true\' {sig}',
+        ]
+    lines += [
+        '"${LAUNCH[@]}" &',
+        "SRUN_PID=$!",
+        "( sleep 5; while true; do job_stats; sleep 30; done ) &",
+        "STATS_PID=$!",
+        "# wait returns early when a trapped signal arrives: wait again until srun has really ended;",
+        "# bash keeps the status of an ended child, so the last wait gives srun's own exit code",
+        'while kill -0 "$SRUN_PID" 2> /dev/null; do wait "$SRUN_PID" || true; done',
+        'rc=0; wait "$SRUN_PID" || rc=$?',
+        'echo "hpctrain: job step ended with exit code $rc at $(date -Is)"',
+        'exit "$rc"',
+    ]
+    return "\n".join(lines)
