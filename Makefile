@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 # (not PIP_QUIET: pip reads that name from the environment itself)
 PIPFLAGS ?= -q
 
-.PHONY: setup demo test test-unit test-dist clean-runs
+.PHONY: setup slurm-deps demo test test-unit test-dist test-slurm clean-runs
 
 setup: $(VENV)/.installed
 
@@ -20,7 +20,16 @@ $(VENV)/.installed: pyproject.toml Makefile
 demo: setup
 	$(VENV)/bin/hpctrain train digits --nproc-per-node 2 run.dir=runs/demo-$$(date +%Y%m%d-%H%M%S)
 
-test: setup
+# The Slurm tier runs a real two-node cluster (tests/slurm); as root, install Debian's Slurm if missing.
+# Without root the tier is skipped with the reason.
+SLURM_PKGS := slurmd slurmctld slurm-client munge iproute2
+slurm-deps:
+	@if [ "$$(id -u)" = 0 ] && ! command -v slurmctld > /dev/null 2>&1 && ! [ -x /usr/sbin/slurmctld ]; then \
+	  echo "installing $(SLURM_PKGS) for the Slurm tests"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(SLURM_PKGS) > /dev/null; \
+	fi
+
+test: setup slurm-deps
 	$(PY) -m pytest
 
 test-unit: setup
@@ -28,3 +37,6 @@ test-unit: setup
 
 test-dist: setup
 	$(PY) -m pytest tests/dist
+
+test-slurm: setup slurm-deps
+	$(PY) -m pytest tests/slurm

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -135,3 +136,17 @@ def test_killed_worker_fails_the_job_fast_and_names_its_host(cluster, tmp_path):
     assert fields["JobState"] == "FAILED", f"{fields}\n{log}"
     assert elapsed < 45, f"the job took {elapsed:.0f} s to fail"
     assert f"worker rank {victim['rank']} " in log and f"pid {victim['pid']}, node2) failed first, killed by SIGKILL" in log
+
+
+def test_doctor_runs_on_every_node_and_names_the_one_that_is_wrong(cluster):
+    # hpctv1p exists in node1's namespace only: NCCL would fail on node2, and doctor says so there.
+    import sys
+
+    env = {**cluster.env, "NCCL_SOCKET_IFNAME": "hpctv1p", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(["srun", "--nodes=2", "--ntasks-per-node=1", sys.executable, "-m", "hpctrain", "doctor"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    out = proc.stdout
+    assert proc.returncode != 0
+    assert "node1: PASS master address: node1 resolves to 10.77.0.11" in out
+    assert "node2: PASS master address: node1 resolves to 10.77.0.11" in out
+    assert "node1: PASS NCCL_SOCKET_IFNAME" in out and "node2: FAIL NCCL_SOCKET_IFNAME" in out

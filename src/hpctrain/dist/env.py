@@ -259,3 +259,13 @@ def module_system_present(environ: Mapping[str, str] | None = None) -> bool:
     """Environment modules (Lmod or Tcl modules) are set up in this shell."""
     env = os.environ if environ is None else environ
     return bool(env.get("LMOD_CMD") or env.get("MODULESHOME"))
+
+
+DOCTOR_PREFIXES = ("SLURM_", "NCCL_", "MASTER_", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
+
+
+def launch_variables(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables `hpctrain doctor` looks at: SLURM_*, NCCL_*, MASTER_*, torchrun's, CUDA_VISIBLE_DEVICES."""
+    env = os.environ if environ is None else environ
+    names = set(TORCHRUN_VARS.values())
+    return {k: v for k, v in sorted(env.items()) if k in names or k.startswith(DOCTOR_PREFIXES)}

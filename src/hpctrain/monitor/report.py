@@ -1,0 +1,222 @@
+"""`hpctrain report RUN_DIR`: plots and a short summary from the run dir's logs.
+
+Inputs (whatever exists): metrics.jsonl; monitor/top_HOST.log and monitor/dmon_HOST.log from
+each node's monitors; monitor/sstat_JOB.txt and sacct/seff files from the job script.
+Outputs in RUN_DIR/report/: overview.png (loss, throughput, CPU and GPU use per node),
+gpu.png (utilisation, memory bandwidth, power, temperature per GPU), summary.md and
+index.html (the same summary with the pictures).
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpctrain.errors import UserError
+from hpctrain.metrics.records import read_metrics, series
+from hpctrain.monitor.parse import DmonTable, TopSeries, node_logs, parse_dmon, parse_parsable, parse_top
+
+GPU_PANELS = (("sm", "GPU utilisation (SM busy, %)"), ("mem", "memory bandwidth utilisation (%)"),
+              ("pwr", "power (W)"), ("gtemp", "GPU temperature (C)"))
+
+
+@dataclass
+class RunData:
+    run_dir: Path
+    records: list[dict] = field(default_factory=list)
+    top: dict[str, TopSeries] = field(default_factory=dict)
+    dmon: dict[str, DmonTable] = field(default_factory=dict)
+    job_stats: dict[str, list[dict[str, str]]] = field(default_factory=dict)
+
+
+def load_run(run_dir: Path) -> RunData:
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir} is not a directory", "pass the run dir of a training run (run.dir).")
+    data = RunData(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        data.records = read_metrics(metrics)
+    monitor = run_dir / "monitor"
+    for host, path in node_logs(monitor, "top").items():
+        data.top[host] = parse_top(path.read_text(errors="replace"))
+    for host, path in node_logs(monitor, "dmon").items():
+        data.dmon[host] = parse_dmon(path.read_text(errors="replace"))
+    for path in sorted(monitor.glob("sstat_*.txt")) + sorted(monitor.glob("sacct_*.txt")):
+        rows = parse_parsable(path.read_text(errors="replace"))
+        if rows:
+            data.job_stats[path.stem] = rows
+    if not data.records and not data.top and not data.dmon:
+        raise UserError(f"nothing to report in {run_dir}: no metrics.jsonl and no monitor logs",
+                        "run training into this run dir first (monitor logs come from jobs run with "
+                        "'hpctrain slurm submit').")
+    return data
+
+
+def _mean(values: list[float]) -> float:
+    values = [v for v in values if not math.isnan(v)]
+    return statistics.fmean(values) if values else math.nan
+
+
+def summary_facts(data: RunData) -> dict:
+    """The numbers the summary states (also what the tests check)."""
+    train = [r for r in data.records if r["split"] == "train"]
+    val = [r for r in data.records if r["split"] == "val"]
+    facts: dict = {"steps": train[-1]["step"] if train else 0}
+    speeds = [r["samples_per_s"] for r in train if isinstance(r.get("samples_per_s"), (int, float))]
+    facts["samples_per_s_median"] = statistics.median(speeds) if speeds else math.nan
+    if val:
+        facts["final_val"] = {k: v for k, v in val[-1].items()
+                              if k not in ("step", "split", "time", "epoch") and isinstance(v, (int, float))}
+    facts["cpu_busy_mean"] = {h: _mean(t.cpu_busy) for h, t in data.top.items()}
+    facts["gpu_util_mean"] = {f"{h} gpu{g}": _mean(d.series(g, "sm")[1])
+                              for h, d in data.dmon.items() for g in d.gpus() if "sm" in d.columns}
+    facts["gpu_mem_bw_mean"] = {f"{h} gpu{g}": _mean(d.series(g, "mem")[1])
+                                for h, d in data.dmon.items() for g in d.gpus() if "mem" in d.columns}
+    return facts
+
+
+def observations(facts: dict) -> list[str]:
+    """Plain-language reading of the numbers; the thresholds are rules of thumb, and say so."""
+    notes = []
+    gpu = {k: v for k, v in facts["gpu_util_mean"].items() if not math.isnan(v)}
+    cpu = {k: v for k, v in facts["cpu_busy_mean"].items() if not math.isnan(v)}
+    if gpu:
+        low = {k: v for k, v in gpu.items() if v < 60}
+        if low:
+            cpu_high = [h for h, v in cpu.items() if v > 85]
+            notes.append(
+                f"GPU utilisation below 60% on {', '.join(sorted(low))}: the GPUs waited. "
+                + ("The CPUs were busy too (" + ", ".join(cpu_high) + "): the data pipeline is the likely limit; "
+                   "raise slurm.cpus_per_task and data.num_workers, or pre-resize the data into shards."
+                   if cpu_high else "The CPUs were not saturated: look at communication (hpctrain doctor, larger "
+                   "micro batch or accumulation) or at I/O.")
+            )
+        if max(gpu.values()) - min(gpu.values()) > 20:
+            notes.append("GPU utilisation differs by more than 20 points between GPUs: a straggler or an uneven node.")
+    elif cpu:
+        notes.append("No GPU monitor logs (no nvidia-smi on the nodes, or monitors off): CPU figures only.")
+    if cpu and max(cpu.values()) > 95:
+        notes.append(f"CPU busy above 95% on {', '.join(h for h, v in cpu.items() if v > 95)}.")
+    return notes
+
+
+def _plot_overview(data: RunData, out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 7.5), constrained_layout=True)
+    ax = axes[0, 0]
+    for split, style in (("train", "-"), ("val", "o-")):
+        x, y = series(data.records, split, "loss")
+        if x:
+            ax.plot(x, y, style, label=f"{split} loss", markersize=3)
+    ax.set(title="loss", xlabel="optimizer step")
+    if data.records:
+        ax.set_yscale("log")
+        ax.legend()
+    ax = axes[0, 1]
+    x, y = series(data.records, "train", "samples_per_s")
+    ax.plot(x, y, "-")
+    ax.set(title="throughput (samples/s, all ranks)", xlabel="optimizer step")
+    ax = axes[1, 0]
+    for host, top in sorted(data.top.items()):
+        ax.plot(top.seconds, top.cpu_busy, label=host)
+    ax.set(title="CPU busy per node (%)", xlabel="seconds since the node's launcher started", ylim=(0, 105))
+    if data.top:
+        ax.legend()
+    ax = axes[1, 1]
+    for host, table in sorted(data.dmon.items()):
+        for gpu in table.gpus():
+            t, v = table.series(gpu, "sm")
+            ax.plot(t, v, label=f"{host} gpu{gpu}")
+    ax.set(title="GPU utilisation (%)" if data.dmon else "GPU utilisation: no nvidia-smi logs",
+           xlabel="seconds", ylim=(0, 105))
+    if data.dmon:
+        ax.legend(fontsize="small")
+    fig.suptitle(f"{data.run_dir.name}")
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def _plot_gpus(data: RunData, out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 7.5), constrained_layout=True)
+    for ax, (column, title) in zip(axes.flat, GPU_PANELS):
+        for host, table in sorted(data.dmon.items()):
+            for gpu in table.gpus():
+                t, v = table.series(gpu, column)
+                if t:
+                    ax.plot(t, v, label=f"{host} gpu{gpu}")
+        ax.set(title=title, xlabel="seconds")
+        if ax.lines:
+            ax.legend(fontsize="small")
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def _fmt(value: float, unit: str = "") -> str:
+    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.3g}{unit}"
+
+
+def summary_markdown(data: RunData, facts: dict, pictures: list[str]) -> str:
+    lines = [f"# Run report: {data.run_dir.name}", "", f"Run dir: `{data.run_dir}`", ""]
+    lines += [f"- optimizer steps logged: {facts['steps']}",
+              f"- throughput (median of the logged intervals): {_fmt(facts['samples_per_s_median'])} samples/s"]
+    if "final_val" in facts:
+        lines.append("- final validation: " + ", ".join(f"{k} {_fmt(v)}" for k, v in facts["final_val"].items()))
+    if facts["cpu_busy_mean"]:
+        lines.append("- CPU busy (mean): " + ", ".join(f"{h} {_fmt(v, '%')}" for h, v in facts["cpu_busy_mean"].items()))
+    if facts["gpu_util_mean"]:
+        lines.append("- GPU utilisation (mean): "
+                     + ", ".join(f"{g} {_fmt(v, '%')}" for g, v in facts["gpu_util_mean"].items()))
+        lines.append("- GPU memory bandwidth utilisation (mean): "
+                     + ", ".join(f"{g} {_fmt(v, '%')}" for g, v in facts["gpu_mem_bw_mean"].items()))
+    notes = observations(facts)
+    if notes:
+        lines += ["", "## Observations", ""] + [f"- {n}" for n in notes]
+    for name, rows in data.job_stats.items():
+        lines += ["", f"## {name}", "", "| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+        lines += ["| " + " | ".join(r.values()) + " |" for r in rows]
+    lines += [""] + [f"![{p}]({p})" for p in pictures]
+    return "\n".join(lines) + "\n"
+
+
+def summary_html(markdown: str, pictures: list[str]) -> str:
+    """A self-contained page: the summary as preformatted text (no Markdown renderer needed) and the images."""
+    body = "\n".join(line for line in markdown.splitlines() if not line.startswith("!["))
+    images = "\n".join(f'<p><img src="{html.escape(p)}" style="max-width:100%"></p>' for p in pictures)
+    return (f"<!doctype html>\n<meta charset='utf-8'><title>hpctrain report</title>\n"
+            f"<pre style='font-size:14px'>{html.escape(body)}</pre>\n{images}\n")
+
+
+def write_report(run_dir: Path) -> Path:
+    data = load_run(run_dir)
+    out = run_dir / "report"
+    out.mkdir(exist_ok=True)
+    pictures = [_plot_overview(data, out / "overview.png").name]
+    if data.dmon:
+        pictures.append(_plot_gpus(data, out / "gpu.png").name)
+    facts = summary_facts(data)
+    markdown = summary_markdown(data, facts, pictures)
+    (out / "summary.md").write_text(markdown)
+    (out / "index.html").write_text(summary_html(markdown, pictures))
+    return out
+
+
+def report_command(run_dir: str) -> int:
+    out = write_report(Path(run_dir))
+    print((out / "summary.md").read_text(), end="")
+    print(f"hpctrain: report written to {out}/ (index.html, summary.md, *.png)", file=sys.stderr)
+    return 0

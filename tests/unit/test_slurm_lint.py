@@ -1,0 +1,157 @@
+"""`hpctrain slurm check` findings, the job helpers, and the slurm CLI's bad-input paths."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from hpctrain.cli import main
+from hpctrain.config.load import load_config
+from hpctrain.config.schema import ConfigError
+from hpctrain.experiments import resolve_experiment
+from hpctrain.slurm import job
+from hpctrain.slurm.lint import Facts, NodeFacts, gres_gpus, lint
+from hpctrain.slurm.timelimit import time_limit_seconds
+
+
+def cfg(*overrides: str, run_dir: str = "/shared/runs/x"):
+    cls = resolve_experiment("digits")
+    return load_config("digits", cls.config_class, experiment_defaults=cls.defaults,
+                       overrides=[f"run.dir={run_dir}", *overrides])
+
+
+def findings(*overrides: str, facts: Facts | None = None, run_dir: str = "/shared/runs/x"):
+    c = cfg(*overrides, run_dir=run_dir)
+    spec = dataclasses.replace(job.job_spec(c), python="/usr/bin/python3", venv="")
+    facts = facts or Facts(run_dir_fs="nfs4", existing=frozenset({"/usr/bin/python3"}))
+    return {(f.level, f.key) for f in lint(c, spec, facts)}, lint(c, spec, facts)
+
+
+def test_a_sensible_job_has_no_findings():
+    assert findings("slurm.nodes=2", "slurm.gpus_per_node=2", "ckpt.every_minutes=30")[0] == set()
+
+
+def test_batch_not_divisible_by_the_new_world_size():
+    keys, found = findings("slurm.nodes=3", "slurm.gpus_per_node=2", "ckpt.every_minutes=30")
+    assert ("error", "train.global_batch_size") in keys
+    assert "3 nodes x 2" in next(f.message for f in found if f.key == "train.global_batch_size")
+
+
+def test_cpus_and_workers():
+    assert ("error", "slurm.cpus_per_task") in findings("slurm.gpus_per_node=4", "slurm.cpus_per_task=2")[0]
+    keys, found = findings("slurm.gpus_per_node=4", "slurm.cpus_per_task=8", "data.num_workers=4")
+    assert ("warning", "data.num_workers") in keys
+    assert "slurm.cpus_per_task=20" in next(f.hint for f in found if f.key == "data.num_workers")
+
+
+def test_time_limit_against_signal_lead_and_checkpoints():
+    assert ("error", "slurm.signal_lead_s") in findings("slurm.time=2", "slurm.signal_lead_s=300")[0]
+    assert ("warning", "slurm.signal_lead_s") in findings("slurm.signal_lead_s=20")[0]
+    assert ("warning", "fault.warning_signal") in findings("fault.warning_signal=none")[0]
+    assert ("warning", "ckpt.every_minutes") in findings("slurm.time=30", "ckpt.every_minutes=60", "ckpt.every_steps=0")[0]
+    assert ("warning", "ckpt.every_minutes") not in findings("slurm.time=30", "ckpt.every_steps=100")[0]
+
+
+def test_run_dir_not_visible_from_other_nodes():
+    assert ("warning", "run.dir") in findings(run_dir="/tmp/runs/x")[0]
+    local = Facts(run_dir_fs="ext4", existing=frozenset({"/usr/bin/python3"}))
+    assert ("warning", "run.dir") in findings("slurm.nodes=2", facts=local)[0]
+    assert ("warning", "run.dir") not in findings("slurm.nodes=1", facts=local)[0]
+
+
+def test_environment_checks():
+    none = Facts(run_dir_fs="nfs")
+    assert ("error", "slurm.python") in findings(facts=none)[0]
+    keys = findings("slurm.container=/images/x.sif", "slurm.modules=['CUDA']", facts=none)[0]
+    assert {("error", "slurm.container"), ("warning", "slurm.container_runtime"), ("warning", "slurm.modules")} <= keys
+    assert ("error", "dist.backend") in findings("dist.backend=nccl", "slurm.gpus=false")[0]
+
+
+def test_partition_capacity_from_sinfo():
+    facts = Facts(run_dir_fs="nfs", existing=frozenset({"/usr/bin/python3"}),
+                  nodes=(NodeFacts(cpus=64, gpus=4, memory_mb=500_000, count=2),))
+    assert not [k for k in findings("slurm.gpus_per_node=4", facts=facts)[0] if k[0] == "error"]
+    assert ("error", "slurm.gpus_per_node") in findings("slurm.gpus_per_node=8", facts=facts)[0]
+    assert ("error", "slurm.nodes") in findings("slurm.nodes=4", "slurm.gpus_per_node=4", facts=facts)[0]
+    assert ("error", "slurm.cpus_per_task") in findings("slurm.cpus_per_task=128", facts=facts)[0]
+
+
+@pytest.mark.parametrize("gres,gpus", [("gpu:a100:4(S:0-1)", 4), ("gpu:2,shard:8", 2), ("(null)", 0),
+                                       ("gpu:v100:2,gpu:t4:1", 3)])
+def test_gres_gpus(gres, gpus):
+    assert gres_gpus(gres) == gpus
+
+
+@pytest.mark.parametrize("text,seconds", [("90", 5400), ("1:30", 90), ("01:00:00", 3600), ("2-0", 172800),
+                                          ("1-12:30", 131400), ("1-00:00:05", 86405), ("UNLIMITED", None)])
+def test_time_limits(text, seconds):
+    assert time_limit_seconds(text) == seconds
+
+
+@pytest.mark.parametrize("override,key", [
+    ("slurm.time=tomorrow", "slurm.time"), ("slurm.nodes=0", "slurm.nodes"),
+    ("slurm.env=['1BAD=x']", "slurm.env"), ("slurm.extra_sbatch=['mail-type=END']", "slurm.extra_sbatch"),
+    ("slurm.job_name=a/b", "slurm.job_name"), ("slurm.port=80", "slurm.port"),
+])
+def test_bad_slurm_values_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        cfg(override)
+
+
+def test_newlines_cannot_reach_the_script():
+    with pytest.raises(ConfigError, match="control characters"):
+        cfg("slurm.partition=gpu\necho pwned")
+
+
+def test_parse_scontrol_fields_keeps_spaces_in_values():
+    line = 'JobId=7 JobName=my job "x" UserId=root(0) JobState=RUNNING Reason=None Restarts=1\n'
+    fields = job.parse_scontrol_fields(line)
+    assert fields["JobName"] == 'my job "x"' and fields["JobState"] == "RUNNING" and fields["Restarts"] == "1"
+
+
+def test_resolve_target(tmp_path):
+    assert job.resolve_target("123") == ("123", None)
+    with pytest.raises(Exception, match="neither a job id nor a run directory"):
+        job.resolve_target(str(tmp_path / "nope"))
+    with pytest.raises(Exception, match="no Slurm job was submitted"):
+        job.resolve_target(str(tmp_path))
+    (tmp_path / "slurm").mkdir()
+    (tmp_path / "slurm" / "jobs.jsonl").write_text(json.dumps({"job_id": "5"}) + "\n" + json.dumps({"job_id": "9"}) + "\n")
+    assert job.resolve_target(str(tmp_path)) == ("9", tmp_path)
+
+
+def test_submit_with_a_stub_sbatch_records_the_job(tmp_path, monkeypatch, capsys):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\necho '4242;cluster'\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    run = tmp_path / "shared" / "run"
+    assert main(["slurm", "submit", "digits", f"run.dir={run}", "slurm.time=60", "ckpt.every_minutes=20"]) == 0
+    assert capsys.readouterr().out.strip() == "4242"
+    assert (run / "slurm" / "job_4242.sh").read_text() == (run / "slurm" / "job.sh").read_text()
+    assert (run / "logs").is_dir()  # Slurm does not create the --output directory
+    assert job.recorded_jobs(run) == ["4242"]
+
+
+def test_submit_refuses_errors_unless_forced(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["slurm", "submit", "digits", f"run.dir={run}", "slurm.nodes=3", "slurm.gpus_per_node=2"]) == 2
+    err = capsys.readouterr().err
+    assert "ERROR" in err and "not submitted" in err and "--force" in err
+    assert not (run / "slurm").exists()
+
+
+def test_slurm_commands_without_slurm_say_so(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert main(["slurm", "status", "77"]) == 2
+    assert "'scontrol' was not found" in capsys.readouterr().err
+
+
+def test_check_exit_code(capsys):
+    assert main(["slurm", "check", "digits", "run.dir=/tmp/x", "slurm.nodes=3", "slurm.gpus_per_node=2"]) == 1
+    assert "1 error(s)" in capsys.readouterr().err
