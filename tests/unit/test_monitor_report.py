@@ -103,3 +103,28 @@ def test_report_of_an_empty_dir_is_a_clear_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "nothing to report" in err and "HINT:" in err
     assert main(["report", str(tmp_path / "missing")]) == 2
+
+
+def test_node_monitors_record_top_and_stop_with_the_context(tmp_path, monkeypatch):
+    import time
+
+    from hpctrain.monitor.sidecars import node_monitors
+
+    monkeypatch.setenv("HPCTRAIN_MONITOR_DIR", str(tmp_path))
+    monkeypatch.setenv("HPCTRAIN_MONITOR_EVERY", "1")
+    with node_monitors() as paths:
+        deadline = time.monotonic() + 20
+        while not (paths and "%Cpu(s)" in paths[0].read_text()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    assert paths and paths[0].name.startswith("top_") and "%Cpu(s)" in paths[0].read_text()
+    size = paths[0].stat().st_size
+    time.sleep(1.5)
+    assert paths[0].stat().st_size == size  # top was stopped on exit
+
+
+def test_no_monitors_unless_the_job_asks(monkeypatch):
+    from hpctrain.monitor.sidecars import node_monitors
+
+    monkeypatch.delenv("HPCTRAIN_MONITOR_DIR", raising=False)
+    with node_monitors() as paths:
+        assert paths == []

@@ -10,6 +10,7 @@ Slurm statistics (sstat/sacct/seff).
 from __future__ import annotations
 
 import getpass
+import os
 import logging
 import shutil
 import socket
@@ -66,7 +67,7 @@ def node_monitors() -> Iterator[list[Path]]:
     host = socket.gethostname().split(".")[0]
     procs, threads, paths = [], [], []
     gpus = shutil.which("nvidia-smi") is not None
-    for name, cmd in monitor_commands(every, gpus, getpass.getuser()).items():
+    for name, cmd in monitor_commands(every, gpus, _user()).items():
         if shutil.which(cmd[0]) is None:
             log.warning("monitor %s not started: %s is not installed on %s", name, cmd[0], host)
             continue
@@ -76,8 +77,13 @@ def node_monitors() -> Iterator[list[Path]]:
         except OSError as err:
             log.warning("monitor %s not started: cannot write %s (%s)", name, path, err)
             continue
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                preexec_fn=die_with_parent)
+        try:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    preexec_fn=die_with_parent)
+        except OSError as err:  # monitoring must never stop the launch
+            out.close()
+            log.warning("monitor %s not started on %s: %s", name, host, err)
+            continue
         limit = TOP_PROCESS_LINES if name == "top" else 1 << 30
         thread = threading.Thread(target=_copy, args=(proc, out, limit), name=f"monitor-{name}", daemon=True)
         thread.start()
@@ -96,6 +102,13 @@ def node_monitors() -> Iterator[list[Path]]:
                 proc.kill()
         for thread in threads:
             thread.join(timeout=5)
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry (some containers): top -u needs a name
+        return str(os.getuid())
 
 
 def _copy(proc: subprocess.Popen, out, limit: int) -> None:

@@ -159,6 +159,7 @@ def _environment(spec: JobSpec) -> str:
     lines += [
         "# srun does not inherit --cpus-per-task since Slurm 22.05: pass it on, or every task gets one CPU",
         f"export SRUN_CPUS_PER_TASK={per_task}",
+        "# half of each process's CPUs for its own threads, the other half for its loader workers",
         f"export OMP_NUM_THREADS={max(1, per_task // s.gpus_per_node // 2)}",
         "export PYTHONUNBUFFERED=1",
     ]

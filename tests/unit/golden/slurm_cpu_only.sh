@@ -24,6 +24,7 @@ source /home/user/venv/bin/activate
 set -u
 # srun does not inherit --cpus-per-task since Slurm 22.05: pass it on, or every task gets one CPU
 export SRUN_CPUS_PER_TASK=2
+# half of each process's CPUs for its own threads, the other half for its loader workers
 export OMP_NUM_THREADS=1
 export PYTHONUNBUFFERED=1
 
