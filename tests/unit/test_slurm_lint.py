@@ -155,3 +155,10 @@ def test_slurm_commands_without_slurm_say_so(tmp_path, monkeypatch, capsys):
 def test_check_exit_code(capsys):
     assert main(["slurm", "check", "digits", "run.dir=/tmp/x", "slurm.nodes=3", "slurm.gpus_per_node=2"]) == 1
     assert "1 error(s)" in capsys.readouterr().err
+
+
+def test_a_bare_interpreter_name_on_path_is_found():
+    from hpctrain.slurm.lint import gather_facts
+
+    c = cfg("slurm.python=python3")
+    assert "python3" in gather_facts(c, job.job_spec(c)).existing
