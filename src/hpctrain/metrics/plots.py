@@ -10,6 +10,18 @@ from hpctrain.metrics.records import series
 _SKIP = {"step", "split", "time", "epoch", "loss", "lr", "samples_per_s", "eta_s", "grad_norm"}
 
 
+def plot_loss(ax, records: list[dict[str, Any]]) -> None:
+    """Train and validation loss on a log axis (the loss panel of every figure that shows one)."""
+    for split, style in (("train", "-"), ("val", "o-")):
+        x, y = series(records, split, "loss")
+        if x:
+            ax.plot(x, y, style, label=f"{split} loss", markersize=3)
+    ax.set(title="loss (mean over all ranks)", xlabel="optimizer step")
+    if ax.lines:
+        ax.set_yscale("log")
+        ax.legend()
+
+
 def plot_training(records: list[dict[str, Any]], out: Path, title: str = "") -> Path:
     """One figure with loss, validation metrics, learning rate and throughput."""
     import matplotlib
@@ -18,13 +30,7 @@ def plot_training(records: list[dict[str, Any]], out: Path, title: str = "") -> 
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
-    ax = axes[0, 0]
-    for split, style in (("train", "-"), ("val", "o-")):
-        x, y = series(records, split, "loss")
-        if x:
-            ax.plot(x, y, style, label=f"{split} loss", markersize=3)
-    ax.set(title="loss (mean over all ranks)", xlabel="optimizer step", yscale="log")
-    ax.legend()
+    plot_loss(axes[0, 0], records)
     ax = axes[0, 1]
     val_keys = sorted({k for r in records if r["split"] == "val" for k in r if k not in _SKIP})
     for key in val_keys:

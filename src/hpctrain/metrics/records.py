@@ -23,6 +23,14 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return sorted(latest.values(), key=lambda r: (r["step"], r["split"]))
 
 
+RECORD_FIELDS = ("step", "split", "time", "epoch")
+
+
+def metric_values(record: dict[str, Any]) -> dict[str, float]:
+    """The numeric metrics of a record, without its bookkeeping fields (step, split, time, epoch)."""
+    return {k: v for k, v in record.items() if k not in RECORD_FIELDS and isinstance(v, (int, float))}
+
+
 def series(records: list[dict[str, Any]], split: str, key: str) -> tuple[list[int], list[float]]:
     pts = [(r["step"], r[key]) for r in records if r["split"] == split and isinstance(r.get(key), (int, float))]
     return [p[0] for p in pts], [p[1] for p in pts]

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from hpctrain.metrics.records import metric_values
+
 log = logging.getLogger("hpctrain")
 
 
@@ -45,9 +47,8 @@ class TensorBoardSink:
         self.writer = SummaryWriter(log_dir=str(log_dir))
 
     def write(self, record: dict[str, Any]) -> None:
-        for key, value in record.items():
-            if key not in ("step", "split", "time", "epoch") and isinstance(value, (int, float)):
-                self.writer.add_scalar(f"{record['split']}/{key}", value, record["step"])
+        for key, value in metric_values(record).items():
+            self.writer.add_scalar(f"{record['split']}/{key}", value, record["step"])
 
     def close(self) -> None:
         self.writer.close()

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpctrain.errors import UserError
-from hpctrain.metrics.records import read_metrics, series
+from hpctrain.metrics.plots import plot_loss
+from hpctrain.metrics.records import metric_values, read_metrics, series
 from hpctrain.monitor.parse import DmonTable, TopSeries, node_logs, parse_dmon, parse_parsable, parse_top
 
 GPU_PANELS = (("sm", "GPU utilisation (SM busy, %)"), ("mem", "memory bandwidth utilisation (%)"),
@@ -69,8 +70,7 @@ def summary_facts(data: RunData) -> dict:
     speeds = [r["samples_per_s"] for r in train if isinstance(r.get("samples_per_s"), (int, float))]
     facts["samples_per_s_median"] = statistics.median(speeds) if speeds else math.nan
     if val:
-        facts["final_val"] = {k: v for k, v in val[-1].items()
-                              if k not in ("step", "split", "time", "epoch") and isinstance(v, (int, float))}
+        facts["final_val"] = metric_values(val[-1])
     facts["cpu_busy_mean"] = {h: _mean(t.cpu_busy) for h, t in data.top.items()}
     facts["gpu_util_mean"] = {f"{h} gpu{g}": _mean(d.series(g, "sm")[1])
                               for h, d in data.dmon.items() for g in d.gpus() if "sm" in d.columns}
@@ -111,15 +111,7 @@ def _plot_overview(data: RunData, out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(12, 7.5), constrained_layout=True)
-    ax = axes[0, 0]
-    for split, style in (("train", "-"), ("val", "o-")):
-        x, y = series(data.records, split, "loss")
-        if x:
-            ax.plot(x, y, style, label=f"{split} loss", markersize=3)
-    ax.set(title="loss", xlabel="optimizer step")
-    if data.records:
-        ax.set_yscale("log")
-        ax.legend()
+    plot_loss(axes[0, 0], data.records)
     ax = axes[0, 1]
     x, y = series(data.records, "train", "samples_per_s")
     ax.plot(x, y, "-")

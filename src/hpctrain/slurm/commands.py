@@ -8,7 +8,7 @@ from pathlib import Path
 
 from hpctrain.config.schema import RunConfig
 from hpctrain.errors import UserError
-from hpctrain.metrics.records import read_metrics
+from hpctrain.metrics.records import metric_values, read_metrics
 from hpctrain.slurm import job, lint, render
 
 
@@ -85,9 +85,8 @@ def progress_line(run_dir: Path) -> str:
     else:
         parts.append("no training step logged yet")
     if val:
-        shown = {k: v for k, v in val[-1].items() if k not in ("step", "split", "time", "epoch")}
-        parts.append(f"val at step {val[-1]['step']}: " + ", ".join(f"{k} {v:.4g}" for k, v in shown.items()
-                                                                   if isinstance(v, (int, float))))
+        parts.append(f"val at step {val[-1]['step']}: "
+                     + ", ".join(f"{k} {v:.4g}" for k, v in metric_values(val[-1]).items()))
     parts.append(f"checkpoint {latest.read_text().strip()}" if latest.exists() else "no checkpoint yet")
     return " ".join(parts[:2]) + ("; " + "; ".join(parts[2:]) if len(parts) > 2 else "")
 

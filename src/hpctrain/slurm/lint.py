@@ -238,7 +238,7 @@ def gather_facts(cfg: RunConfig, spec: JobSpec) -> Facts:
         run_dir_fs=filesystem_type(Path(spec.run_dir)),
         # a bare name (slurm.python=python3) counts when it is on PATH here
         existing=frozenset(p for p in paths if Path(p).exists() or ("/" not in p and shutil.which(p))),
-        commands=frozenset(c for c in (s.container_runtime, "sbatch", "sinfo") if shutil.which(c)),
+        commands=frozenset(c for c in (s.container_runtime,) if shutil.which(c)),
         module_system=module_system_present(),
         nodes=partition_nodes(s.partition),
     )
