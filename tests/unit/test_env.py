@@ -31,7 +31,7 @@ def test_srun_one_task_per_gpu():
     assert (info.launcher, info.rank, info.local_rank, info.world_size) == ("srun", 3, 1, 6)
     assert (info.local_world_size, info.node_rank, info.num_nodes) == (2, 1, 3)
     assert info.master_addr == "gpu07"
-    assert info.master_port == 20000 + 4242  # derived from the job id: two jobs on a node do not collide
+    assert info.master_port == 15000 + 4242  # derived from the job id: two jobs on a node do not collide
     assert detect_launch({**SRUN, "MASTER_PORT": "1234", "MASTER_ADDR": "h"}).master_port == 1234
 
 

@@ -45,7 +45,15 @@ SRUN_VARS = {
     "tasks_per_node": "SLURM_STEP_TASKS_PER_NODE",
 }
 SLURM_JOB_ID = "SLURM_JOB_ID"
-DEFAULT_PORT_BASE = 20000  # srun mode without MASTER_PORT: 20000 + job id % 20000, so two jobs on a node differ
+# Rendezvous port from the job id (srun mode without MASTER_PORT, and the rendered job script), so two jobs on
+# a node differ: PORT_BASE + id % PORT_SPAN stays below Linux's ephemeral ports (32768 up), which the OS hands
+# out to outgoing connections and could already be taken.
+PORT_BASE = 15000
+PORT_SPAN = 15000
+
+
+def job_port(job_id: str) -> int:
+    return PORT_BASE + int(job_id or 0) % PORT_SPAN
 
 
 @dataclass(frozen=True)
@@ -129,7 +137,7 @@ def _from_srun(env: Mapping[str, str], host: str, job_id: str) -> LaunchInfo:
     tasks = parse_tasks_per_node(env.get(v["tasks_per_node"], ""))
     node_rank = _int(env, v["node_rank"])
     local_world = tasks[node_rank] if node_rank < len(tasks) else max(1, world // num_nodes)
-    port = env.get("MASTER_PORT") or str(DEFAULT_PORT_BASE + int(job_id or 0) % 20000)
+    port = env.get("MASTER_PORT") or str(job_port(job_id))
     return LaunchInfo(
         launcher="srun",
         rank=_int(env, "SLURM_PROCID"),

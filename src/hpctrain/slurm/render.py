@@ -28,6 +28,7 @@ import shlex
 from dataclasses import dataclass
 
 from hpctrain.config.schema import SlurmSection
+from hpctrain.dist.env import PORT_BASE, PORT_SPAN
 
 CONFIG_DELIMITER = "HPCTRAIN_CONFIG_EOF"
 
@@ -74,7 +75,8 @@ def cpus_per_task(s: SlurmSection) -> int:
 
 
 def rendezvous_port(s: SlurmSection) -> str:
-    return str(s.port) if s.port else "$(( 15000 + SLURM_JOB_ID % 15000 ))"
+    # the shell form of hpctrain.dist.env.job_port
+    return str(s.port) if s.port else f"$(( {PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN} ))"
 
 
 def render_script(spec: JobSpec) -> str:
