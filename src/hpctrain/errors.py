@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import difflib
-from typing import Iterable
+from typing import Iterable, TypeVar
+
+E = TypeVar("E", bound=BaseException)
 
 
 class UserError(Exception):
@@ -21,6 +23,19 @@ class UserError(Exception):
     def __str__(self) -> str:
         text = super().__str__()
         return f"{text}\nHINT: {self.hint}" if self.hint else text
+
+
+def on_every_rank(err: E) -> E:
+    """Mark an error that every rank raises at the same point, after a collective that shared
+    the verdict (e.g. a failed checkpoint write). Teardown may then meet all ranks at a barrier
+    before leaving the process group, as on success; for any other error it must not, since a
+    peer may be gone."""
+    err.on_every_rank = True  # type: ignore[attr-defined]
+    return err
+
+
+def raised_on_every_rank(err: BaseException) -> bool:
+    return bool(getattr(err, "on_every_rank", False))
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:

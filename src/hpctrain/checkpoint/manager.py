@@ -22,7 +22,7 @@ from hpctrain.checkpoint import policy, storage
 from hpctrain.checkpoint.storage import Checked
 from hpctrain.dist.collectives import barrier, broadcast_object, gather_objects
 from hpctrain.dist.runtime import Runtime
-from hpctrain.errors import UserError
+from hpctrain.errors import UserError, on_every_rank
 from hpctrain.train.rng import capture_rng, restore_rng, seed_rank_streams
 from hpctrain.train.state import TrainState
 
@@ -100,8 +100,9 @@ class Checkpointer:
             return
         message = f"saving checkpoint at step {state.step} under '{self.root}' failed: {error}"
         if is_io:  # full disk, quota, permissions: the user's to fix
-            raise UserError(message, "free disk space or fix the file system, then resume; the previous checkpoint is intact.") from failure
-        raise RuntimeError(f"{message} (the previous checkpoint is intact)") from failure
+            hint = "free disk space or fix the file system, then resume; the previous checkpoint is intact."
+            raise on_every_rank(UserError(message, hint)) from failure
+        raise on_every_rank(RuntimeError(f"{message} (the previous checkpoint is intact)")) from failure
 
     def _files(self, state: TrainState, stateful: Mapping[str, Any], rng: list[Any]) -> dict[str, Any]:
         files: dict[str, Any] = {
@@ -164,7 +165,7 @@ class Checkpointer:
                 choice = ("", str(err))
         path, error = broadcast_object(choice, self.runtime)
         if error:
-            raise UserError(error)
+            raise on_every_rank(UserError(error))
         return Path(path) if path else None
 
     def _load(self, path: Path, stateful: Mapping[str, Any], seed: int) -> Resumed:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from hpctrain.config.schema import DistSection
 from hpctrain.dist.env import LaunchInfo
-from hpctrain.errors import UserError
+from hpctrain.errors import UserError, raised_on_every_rank
 
 log = logging.getLogger(__name__)
 
@@ -81,12 +81,14 @@ def init_runtime(launch: LaunchInfo, cfg: DistSection) -> Runtime:
     return Runtime(**dataclasses.asdict(launch), device=device, backend=backend)
 
 
-def shutdown(runtime: Runtime, ok: bool) -> None:
-    """Leave the process group. On success all ranks meet first: gloo can hang in teardown when a
-    rank destroys its group while a peer is still finishing its last collective."""
+def shutdown(runtime: Runtime, meet: bool) -> None:
+    """Leave the process group. When every rank is known to be here (success, or an error all ranks
+    raised together) they meet first: a rank that destroys its group while a peer is still finishing
+    the last collective (e.g. rank 0's side of a broadcast) can hang or abort in gloo's teardown
+    ("terminate called without an active exception", seen once in CI after a failed save)."""
     if not (runtime.backend and dist.is_initialized()):
         return
-    if ok:
+    if meet:
         dist.barrier()
     dist.destroy_process_group()
 
@@ -94,9 +96,12 @@ def shutdown(runtime: Runtime, ok: bool) -> None:
 @contextlib.contextmanager
 def distributed_session(launch: LaunchInfo, cfg: DistSection) -> Iterator[Runtime]:
     runtime = init_runtime(launch, cfg)
-    ok = False
+    meet = False
     try:
         yield runtime
-        ok = True
+        meet = True
+    except BaseException as err:
+        meet = raised_on_every_rank(err)
+        raise
     finally:
-        shutdown(runtime, ok)
+        shutdown(runtime, meet)
