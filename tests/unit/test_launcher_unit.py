@@ -40,3 +40,15 @@ def test_first_failure_prefers_the_cause_over_torchruns_shutdown_sigterm():
     crash = SimpleNamespace(failures={0: SimpleNamespace(timestamp=100, exitcode=1, message="ValueError: bad batch"),
                                       1: SimpleNamespace(timestamp=100, exitcode=1, message=lost_peer)})
     assert first_failure(crash)[0] == 0
+
+
+def test_failure_message_keeps_a_user_errors_message_before_its_hint():
+    from types import SimpleNamespace
+
+    from hpctrain.dist.torchrun_main import failure_message
+
+    user = SimpleNamespace(message={"message": "DataError: sample '7' of shard s.tar: cannot decode .png\nHINT: re-create it."})
+    assert failure_message(user) == "DataError: sample '7' of shard s.tar: cannot decode .png (HINT: re-create it.)"
+    crash = SimpleNamespace(message="Traceback (most recent call last):\n  ...\nRuntimeError: boom")
+    assert failure_message(crash) == "RuntimeError: boom"
+    assert failure_message(SimpleNamespace(message="To enable traceback see: ...")) == ""

@@ -98,6 +98,16 @@ class DataSection:
     """Keep loader workers alive between epochs instead of restarting them."""
     prefetch_factor: int = 2
     """Batches each worker loads ahead."""
+    on_error: Literal["raise", "skip"] = "raise"
+    """An unreadable sample (corrupt image, missing member, label out of range) stops the run with its name
+    (raise), or is left out of its batch, counted, and reported at the end of the epoch (skip)."""
+    shuffle_window: int = 4096
+    """Sharded sets: samples are shuffled within windows of this many consecutive samples of the epoch's shard
+    stream (shards permuted per epoch). Larger mixes better and reads more bytes per step's worth of samples."""
+    read_block_kb: int = 1024
+    """Sharded sets: shards are read in aligned blocks of this size (large sequential reads)."""
+    read_cache_mb: int = 128
+    """Sharded sets: block cache per loader process; make it hold a shuffle window's bytes."""
     worker_start: Literal["forkserver", "spawn", "fork"] = "forkserver"
     """How loader workers start. fork copies a process that has threads (watchdog, process group), and a
     child can deadlock in CPython's after-fork handler (seen here, 1 run in ~60); forkserver forks from a
@@ -331,6 +341,10 @@ def validate(cfg: RunConfig) -> None:
     _require(0 <= o.ema_decay < 1, "optim.ema_decay", "must be in [0, 1); 0 disables EMA")
     _require(cfg.data.num_workers >= -1, "data.num_workers", "must be >= 0, or -1 for automatic")
     _require(cfg.data.prefetch_factor > 0, "data.prefetch_factor", "must be positive")
+    _require(cfg.data.shuffle_window >= 1, "data.shuffle_window", "must be at least 1 (1: no shuffling within the stream)")
+    _require(cfg.data.read_block_kb >= 4, "data.read_block_kb", "must be at least 4")
+    _require(cfg.data.read_cache_mb * 1024 >= 2 * cfg.data.read_block_kb, "data.read_cache_mb",
+             "must hold at least two read blocks (data.read_block_kb)")
     _require(cfg.eval.every_steps >= 0, "eval.every_steps", "must be >= 0")
     _require(cfg.eval.micro_batch_size >= 0, "eval.micro_batch_size", "must be >= 0")
     _require(cfg.log.every_steps > 0, "log.every_steps", "must be positive")

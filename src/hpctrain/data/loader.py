@@ -1,16 +1,24 @@
-"""DataLoader construction: keyed datasets for per-sample augmentation, and settings from the machine."""
+"""DataLoader construction: keyed datasets for per-sample augmentation, skipping of unreadable
+samples, and loader settings from the machine."""
 
 from __future__ import annotations
 
+import functools
+import os
+import random
 import signal
-from typing import Any, Callable
+import threading
+from typing import Any, Callable, Iterator, NamedTuple
 
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
+from torch.utils.data import default_collate
 
 from hpctrain.config.schema import DataSection
 from hpctrain.data.sampler import SampleKey
-from hpctrain.data.seeding import sample_generator
+from hpctrain.data.seeding import SALT_WORKER, mix_seed, sample_generator
+from hpctrain.data.shardset import DataError
 from hpctrain.dist.env import cpus_available
 from hpctrain.dist.runtime import Runtime
 
@@ -18,37 +26,153 @@ Transform = Callable[[Any, torch.Generator], Any]
 
 
 class KeyedDataset(Dataset):
-    """Wraps a map-style dataset: takes a SampleKey, applies ``transform(sample, generator)``
-    with a generator seeded from (seed, epoch, index)."""
+    """Wraps a map-style dataset. Takes a SampleKey (training: ``transform(sample, generator)`` with a
+    generator seeded from (seed, epoch, index)) or a plain index (validation: no transform).
 
-    def __init__(self, base: Dataset, transform: Transform | None, seed: int) -> None:
+    In a loader worker, the global RNGs (torch, numpy, random) are seeded per (seed, epoch, rank,
+    worker) when an epoch starts, for any randomness a user's code draws beyond the per-sample
+    generator. With ``on_error='skip'``, samples that raise DataError are left out of their batch and
+    reported with it (see :class:`SkipCountingLoader`)."""
+
+    def __init__(self, base: Dataset, transform: Transform | None, seed: int, rank: int = 0, on_error: str = "raise") -> None:
         self.base = base
         self.transform = transform
         self.seed = seed
+        self.rank = rank
+        self.on_error = on_error
+        self._seeded_epoch = -1
 
     def __len__(self) -> int:
         return len(self.base)  # type: ignore[arg-type]
 
-    def __getitem__(self, key: SampleKey) -> Any:
+    def __getitem__(self, key: SampleKey | int) -> Any:
+        if not isinstance(key, SampleKey):
+            return self.base[key]
+        self._seed_worker(key.epoch)
         sample = self.base[key.index]
         if self.transform is None:
             return sample
         return self.transform(sample, sample_generator(self.seed, key.epoch, key.index))
 
+    def __getitems__(self, keys: list[SampleKey | int]) -> list[Any]:
+        """The DataLoader fetches a whole batch through this when it exists."""
+        out = Fetched()
+        for key in keys:
+            try:
+                out.append(self[key])
+            except DataError as err:
+                if self.on_error != "skip":
+                    raise
+                out.skipped.append(str(err).splitlines()[0])
+        return out
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+    def _seed_worker(self, epoch: int) -> None:
+        info = get_worker_info()
+        if info is None or epoch == self._seeded_epoch:
+            return
+        self._seeded_epoch = epoch
+        seed = mix_seed(SALT_WORKER, self.seed, epoch, self.rank, info.id)
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
 
 
-def ignore_stop_signals(_worker_id: int) -> None:
+class Fetched(list):
+    """The samples of one batch, and the messages of those skipped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.skipped: list[str] = []
+
+
+class Counted(NamedTuple):
+    batch: Any
+    skipped: list[str]
+
+
+class SkipAwareCollate:
+    """Runs in the worker: collates what was readable and passes the skip messages along with it."""
+
+    def __init__(self, collate: Callable[[list[Any]], Any] | None) -> None:
+        self.collate = collate or default_collate
+
+    def __call__(self, samples: list[Any]) -> Counted:
+        skipped = list(getattr(samples, "skipped", []))
+        if not samples:
+            raise DataError(f"every sample of a batch was unreadable, e.g. {skipped[0] if skipped else '?'}",
+                            "too much of the data set is corrupt to skip: re-create the shards.")
+        return Counted(self.collate(list(samples)), skipped)
+
+
+class SkipCountingLoader:
+    """Iterates a DataLoader, unwraps the batches, and keeps the skip messages until taken.
+
+    Also turns a DataError raised in a worker (which torch re-raises with the worker's traceback as
+    its message) back into the clean message and hint the user should see."""
+
+    def __init__(self, loader: DataLoader, counting: bool) -> None:
+        self.loader = loader
+        self.counting = counting
+        self.skipped: list[str] = []
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        it = iter(self.loader)
+        while True:
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            except DataError as err:
+                raise _clean_worker_error(err) from None
+            if self.counting:
+                item, skipped = item
+                self.skipped.extend(skipped)
+            yield item
+
+    def take_skipped(self) -> list[str]:
+        out, self.skipped = self.skipped, []
+        return out
+
+
+def _clean_worker_error(err: DataError) -> DataError:
+    text = str(err)
+    marker = "DataError: "
+    if "Original Traceback" not in text or marker not in text:
+        return err
+    message = text.rsplit(marker, 1)[1].strip()
+    body, _, hint = message.partition("\nHINT: ")
+    return DataError(body.strip(), hint.strip() or err.hint)
+
+
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+
+
+def guard_stop_signals(_worker_id: int, rank_pid: int) -> None:
     """worker_init_fn: stop signals are the rank's to act on, not its loader workers'.
 
-    Slurm signals every process of a job step (scancel --signal, the time limit's
-    SIGTERM). torch's loader workers die of SIGUSR1/2 and of a SIGTERM that is not
-    from their parent, and their rank then crashes ("DataLoader worker exited
-    unexpectedly") instead of saving a checkpoint. Workers still end with their rank:
-    they watch their parent, and Slurm's final SIGKILL cannot be ignored."""
+    Slurm signals every process of a job step (scancel --signal, the time limit's SIGTERM).
+    torch's loader workers die of SIGUSR1/2 and of a SIGTERM that is not from their parent
+    (with forkserver, their parent is the server, not the rank), and the rank then crashes
+    ("DataLoader worker exited unexpectedly") instead of saving a checkpoint. So USR1/USR2/HUP
+    are ignored, and SIGTERM is taken by a thread that reads the sender: from the rank (torch's
+    and multiprocessing's shutdown terminate workers that way) the worker exits; from anyone
+    else it is ignored. Ignoring every SIGTERM, as this did before, made a process hang at exit
+    when an error left a loader alive: multiprocessing's exit handler SIGTERMs daemon children
+    and joins them. Workers still end with their rank: they watch it, and SIGKILL stays."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started below inherit the mask
+    threading.Thread(target=_sigterm_from, args=(rank_pid,), name="hpctrain-sigterm", daemon=True).start()
+
+
+def _sigterm_from(rank_pid: int) -> None:
+    while True:
+        info = signal.sigwaitinfo({signal.SIGTERM})
+        if info.si_pid in (rank_pid, os.getppid()):
+            os._exit(128 + signal.SIGTERM)
 
 
 def auto_workers(runtime: Runtime) -> int:
@@ -67,12 +191,18 @@ def loader_kwargs(cfg: DataSection, runtime: Runtime) -> dict[str, Any]:
     if workers > 0:
         kwargs["persistent_workers"] = cfg.persistent_workers
         kwargs["prefetch_factor"] = cfg.prefetch_factor
-        kwargs["worker_init_fn"] = ignore_stop_signals
+        kwargs["worker_init_fn"] = functools.partial(guard_stop_signals, rank_pid=os.getpid())
         kwargs["multiprocessing_context"] = cfg.worker_start
     return kwargs
 
 
 def build_loader(
-    dataset: Dataset, batch_sampler: Sampler, cfg: DataSection, runtime: Runtime, collate_fn: Callable | None = None
-) -> DataLoader:
-    return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate_fn, **loader_kwargs(cfg, runtime))
+    dataset: Dataset, batch_sampler: Sampler, cfg: DataSection, runtime: Runtime, collate_fn: Callable | None = None,
+    seed: int = 0, transform: Transform | None = None,
+) -> SkipCountingLoader:
+    """A loader over ``KeyedDataset(dataset)``; with data.on_error=skip, unreadable samples are counted, not fatal."""
+    keyed = KeyedDataset(dataset, transform, seed, runtime.rank, cfg.on_error)
+    counting = cfg.on_error == "skip"
+    collate = SkipAwareCollate(collate_fn) if counting else collate_fn
+    loader = DataLoader(keyed, batch_sampler=batch_sampler, collate_fn=collate, **loader_kwargs(cfg, runtime))
+    return SkipCountingLoader(loader, counting)

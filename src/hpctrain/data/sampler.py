@@ -18,7 +18,7 @@ per-sample results, and the all-reduced sums built from them, do not depend on i
 
 from __future__ import annotations
 
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 from torch.utils.data import Sampler
@@ -41,9 +41,13 @@ def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool = True) -
     return torch.randperm(num_samples, generator=generator(SALT_ORDER, seed, epoch))
 
 
+OrderFn = Callable[[int, int, bool], torch.Tensor]
+"""(seed, epoch, shuffle) -> the epoch's global order; a sharded set supplies one that keeps reads local."""
+
+
 class StepBatchSampler(Sampler[list[SampleKey]]):
     def __init__(
-        self, num_samples: int, plan: BatchPlan, rank: int, seed: int, shuffle: bool = True
+        self, num_samples: int, plan: BatchPlan, rank: int, seed: int, shuffle: bool = True, order: OrderFn | None = None
     ) -> None:
         if not 0 <= rank < plan.world_size:
             raise ValueError(f"rank {rank} outside world of {plan.world_size}")
@@ -52,6 +56,7 @@ class StepBatchSampler(Sampler[list[SampleKey]]):
         self.rank = rank
         self.seed = seed
         self.shuffle = shuffle
+        self.order = order or (lambda seed, epoch, shuffle: epoch_order(num_samples, seed, epoch, shuffle))
         self.steps_per_epoch = steps_per_epoch(num_samples, plan.global_batch_size)
         self.epoch = 0
         self.start_step = 0
@@ -69,7 +74,9 @@ class StepBatchSampler(Sampler[list[SampleKey]]):
         return order[begin : begin + p.per_rank].tolist()
 
     def __iter__(self) -> Iterator[list[SampleKey]]:
-        order = epoch_order(self.num_samples, self.seed, self.epoch, self.shuffle)
+        order = self.order(self.seed, self.epoch, self.shuffle)
+        if len(order) != self.num_samples:
+            raise ValueError(f"the epoch order has {len(order)} samples, the data set {self.num_samples}")
         m = self.plan.micro_batch_size
         for step in range(self.start_step, self.steps_per_epoch):
             mine = self.step_indices(order, step)

@@ -32,6 +32,7 @@ def mix_seed(*parts: int) -> int:
 SALT_ORDER = 1
 SALT_SAMPLE = 2
 SALT_RANK = 3
+SALT_WORKER = 4
 
 
 def generator(*parts: int) -> torch.Generator:

@@ -90,13 +90,18 @@ def describe_exit(code: int) -> str:
 
 def failure_message(failure, full: bool = False) -> str:
     """The worker's error from torchrun's error file (written by @record): a str, or a dict with 'message'.
-    Its last line (the exception), or all of it."""
+    Its last line (the exception; for a UserError the line before its HINT), or all of it."""
     message = failure.message
     if isinstance(message, dict):
         message = message.get("message", "")
     if not isinstance(message, str) or message.startswith("To enable traceback") or not message.strip():
         return ""
-    return message if full else message.strip().splitlines()[-1][:500]
+    if full:
+        return message
+    lines = message.strip().splitlines()
+    if len(lines) > 1 and lines[-1].startswith("HINT: "):
+        return f"{lines[-2]} ({lines[-1]})"[:500]
+    return lines[-1][:500]
 
 
 def _run_config():

@@ -7,11 +7,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
 from hpctrain.checkpoint.manager import Checkpointer
 from hpctrain.config.batch import BatchPlan
 from hpctrain.config.schema import RunConfig
+from hpctrain.data.loader import SkipCountingLoader
 from hpctrain.data.sampler import StepBatchSampler
 from hpctrain.dist.runtime import Runtime
 from hpctrain.experiments.base import Experiment
@@ -51,8 +51,8 @@ class TrainContext:
     ema: nn.Module | None
     precision: Precision
     sampler: StepBatchSampler
-    train_loader: DataLoader
-    val_loader: DataLoader | None
+    train_loader: SkipCountingLoader
+    val_loader: SkipCountingLoader | None
     state: TrainState
     total_steps: int
     checkpointer: Checkpointer

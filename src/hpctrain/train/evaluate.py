@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from typing import Iterable
 
 from hpctrain.dist.collectives import all_reduce_sums, gather_objects
 from hpctrain.dist.runtime import Runtime
@@ -17,7 +17,7 @@ from hpctrain.train.precision import Precision
 def evaluate(
     experiment: Experiment,
     model: nn.Module,
-    loader: DataLoader | None,
+    loader: Iterable | None,
     runtime: Runtime,
     precision: Precision,
     channels_last: bool = False,

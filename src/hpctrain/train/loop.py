@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -15,6 +16,8 @@ from hpctrain.dist.collectives import all_reduce_sums
 from hpctrain.train.context import TrainContext
 from hpctrain.train.device import to_device
 from hpctrain.train.evaluate import evaluate
+
+log = logging.getLogger("hpctrain")
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,7 @@ def train(ctx: TrainContext) -> LoopResult:
         epoch = ctx.state.epoch
         while ctx.state.step < ctx.end_step and ctx.state.epoch == epoch:
             window.lr = ctx.optimizer.param_groups[0]["lr"]  # the rate this step uses; the scheduler moves it after
-            loss, grad_norm = optimizer_step(ctx, batches)
+            loss, grad_norm = optimizer_step(ctx, batches, window)
             ctx.state.advance(ctx.plan.global_batch_size, ctx.sampler.steps_per_epoch)
             window.add(loss, grad_norm)
             val, stop_signal = after_step(ctx, window, epoch_ended=ctx.state.epoch != epoch)
@@ -49,13 +52,16 @@ def train(ctx: TrainContext) -> LoopResult:
     return LoopResult(last_val, 0)
 
 
-def optimizer_step(ctx: TrainContext, batches: Iterator) -> tuple[torch.Tensor, torch.Tensor | None]:
+def optimizer_step(ctx: TrainContext, batches: Iterator, window: "_Window") -> tuple[torch.Tensor, torch.Tensor | None]:
     """One optimizer step over grad_accum micro-batches; returns this rank's mean loss (on device, no sync)."""
     model, accum, hb = ctx.model, ctx.plan.grad_accum, ctx.fault.heartbeat
     loss_sum = torch.zeros((), device=ctx.runtime.device)
     for micro in range(accum):
         hb.mark("data")
-        batch = to_device(next(batches), ctx.runtime.device, ctx.cfg.train.channels_last)
+        waited = time.perf_counter()
+        host_batch = next(batches)
+        window.data_wait += time.perf_counter() - waited  # time the loader, not the model, held this rank up
+        batch = to_device(host_batch, ctx.runtime.device, ctx.cfg.train.channels_last)
         # DDP all-reduces gradients during backward; before the last micro-step that work
         # would be thrown away, so no_sync keeps the gradients local until then.
         last = micro == accum - 1
@@ -103,6 +109,8 @@ def after_step(ctx: TrainContext, window: "_Window", epoch_ended: bool) -> tuple
         fault.heartbeat.mark("checkpoint")
         ctx.checkpointer.save(ctx.state, ctx.stateful())
         fault.last_save = time.monotonic()
+    if epoch_ended or step >= ctx.end_step or verdict.stop_signal:
+        report_skipped_samples(ctx, ctx.state.epoch - 1 if epoch_ended else ctx.state.epoch)
     if verdict.stop_signal or step >= ctx.end_step:
         return val, verdict.stop_signal  # leaving: cast nothing, so no collective is left pending
     fault.vote.cast(fault.signals.received, _time_save_due(ctx))
@@ -115,12 +123,28 @@ def _time_save_due(ctx: TrainContext) -> bool:
     return ctx.runtime.is_main and minutes > 0 and time.monotonic() - ctx.fault.last_save >= minutes * 60
 
 
+def report_skipped_samples(ctx: TrainContext, epoch: int) -> None:
+    """With data.on_error=skip: how many unreadable samples all ranks left out since the last report
+    (a collective, so only in that mode: the config is the same on every rank)."""
+    if ctx.cfg.data.on_error != "skip":
+        return
+    mine = ctx.train_loader.take_skipped() + (ctx.val_loader.take_skipped() if ctx.val_loader is not None else [])
+    total = int(all_reduce_sums({"n": float(len(mine))}, ctx.runtime)["n"])
+    if mine:
+        log.warning("skipped %d unreadable sample(s) on this rank, e.g. %s", len(mine), mine[0])
+    if total and ctx.runtime.is_main:
+        log.warning("epoch %d: %d unreadable sample(s) skipped on all ranks (data.on_error=skip)", epoch, total)
+    if total:
+        ctx.metrics.log({"step": ctx.state.step, "split": "data", "epoch": epoch, "skipped_samples": total})
+
+
 def log_train(ctx: TrainContext, window: "_Window") -> None:
     """The logged loss is the mean over all ranks and all steps since the last log: one all-reduce, only here."""
-    stats = {"loss": window.loss_sum, "n": float(window.steps)}
+    stats = {"loss": window.loss_sum, "n": float(window.steps), "wait": window.data_wait}
     sums = all_reduce_sums(stats, ctx.runtime)
     now = time.perf_counter()
     elapsed = now - window.started
+    wait_frac = sums["wait"] / ctx.runtime.world_size / elapsed
     steps = ctx.state.step - window.first_step
     record = {
         "step": ctx.state.step,
@@ -130,17 +154,37 @@ def log_train(ctx: TrainContext, window: "_Window") -> None:
         "lr": window.lr,
         "samples_per_s": steps * ctx.plan.global_batch_size / elapsed,
         "eta_s": (ctx.total_steps - ctx.state.step) * elapsed / max(steps, 1),
+        "data_wait_frac": wait_frac,
     }
+    _warn_if_loader_bound(ctx, window, wait_frac)
     if window.grad_norm is not None:
         record["grad_norm"] = float(window.grad_norm)
     ctx.metrics.log(record)
     window.reset(ctx.state.step)
 
 
+LOADER_BOUND = 0.25  # ranks wait this fraction of the time for batches: the loader, not the model, sets the pace
+
+
+def _warn_if_loader_bound(ctx: TrainContext, window: "_Window", wait_frac: float) -> None:
+    # The first window after a (re)start holds the workers' start-up and the first prefetch: not evidence.
+    if wait_frac < LOADER_BOUND or window.first_step == window.launch_step or window.warned_loader_bound:
+        return
+    window.warned_loader_bound = True
+    if ctx.runtime.is_main:
+        log.warning(
+            "the data loader limits the step time: ranks wait %.0f%% of it for batches. Raise data.num_workers "
+            "(cpus per process: slurm.cpus_per_task), pre-resize images (hpctrain shard --resize), or decode on the GPU",
+            100 * wait_frac,
+        )
+
+
 class _Window:
     """Loss and time since the last log line; stays on the device until log_train."""
 
     def __init__(self, step: int) -> None:
+        self.launch_step = step
+        self.warned_loader_bound = False
         self.reset(step)
 
     def reset(self, step: int) -> None:
@@ -149,6 +193,7 @@ class _Window:
         self.steps = 0
         self.grad_norm: torch.Tensor | None = None
         self.lr = 0.0
+        self.data_wait = 0.0
 
     def add(self, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
         self.loss_sum = self.loss_sum + loss

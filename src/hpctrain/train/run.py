@@ -11,7 +11,7 @@ from pathlib import Path
 from hpctrain.checkpoint.manager import Checkpointer
 from hpctrain.config.batch import plan_batches
 from hpctrain.config.schema import RunConfig
-from hpctrain.data.loader import KeyedDataset, build_loader
+from hpctrain.data.loader import build_loader
 from hpctrain.data.sampler import EvalBatchSampler, StepBatchSampler
 from hpctrain.dist.collectives import barrier
 from hpctrain.dist.env import fault_injection_spec, stdout_is_terminal, under_hpctrain_agent
@@ -53,9 +53,11 @@ def build_context(
     data = experiment.build_datasets()
     model = experiment.build_model()
     seed_rank_streams(cfg.run.seed, runtime.rank)
-    sampler = StepBatchSampler(len(data.train), plan, runtime.rank, cfg.run.seed)
+    # A sharded set brings its own epoch order (local windows, for sequential reads); same guarantees.
+    order = getattr(data.train, "epoch_order", None)
+    sampler = StepBatchSampler(len(data.train), plan, runtime.rank, cfg.run.seed, order=order)
     transform = data.train_transform if cfg.data.augment else None
-    train_loader = build_loader(KeyedDataset(data.train, transform, cfg.run.seed), sampler, cfg.data, runtime)
+    train_loader = build_loader(data.train, sampler, cfg.data, runtime, seed=cfg.run.seed, transform=transform)
     val_loader = None
     if data.val is not None:
         eval_batch = cfg.eval.micro_batch_size or 2 * cfg.train.micro_batch_size

@@ -1,0 +1,293 @@
+"""A training set read from WebDataset-format shards, with the foundation's exact semantics.
+
+The usual way to stream shards in DDP (``webdataset``, torchdata) gives each rank and
+worker its own shards. Then the samples of a step depend on the number of ranks and
+workers, a rank with no shard hangs at the end of an epoch, and a resume changes the
+stream. hpctrain keeps its one rule instead: the epoch's global order is a function of
+(seed, epoch) alone, step k takes the k-th slice of it, rank r its part of the slice
+(:mod:`hpctrain.data.sampler`). Shards make that affordable in two ways:
+
+1. **A local order** (:func:`shard_epoch_order`): the shards are permuted per epoch and
+   concatenated, and the samples are shuffled within windows of ``window`` consecutive
+   samples of that stream (window boundaries move every epoch, and a window spans shard
+   boundaries). So the samples of any step lie in one or two windows, a few MB of
+   one or two shards, instead of anywhere in the data set. This is WebDataset's
+   shuffle buffer made deterministic: the same window shuffles the same way for any
+   number of ranks and workers, and a resume needs only the step number.
+2. **Block reads** (:class:`BlockReader`): a sample's bytes are located with the index and
+   read through a per-process cache of large aligned blocks of the open shard files.
+   Each process opens each shard once and reads it forward in blocks of
+   ``block_bytes``; the small-file metadata storm of one file per sample disappears.
+   The price, written down in docs/data.md: every loader process reads the blocks of
+   the windows it touches, so a node reads the whole data set per epoch (the page
+   cache serves the node's other processes), where rank-sharded streaming reads
+   1/nodes of it. Exactness costs bandwidth, not metadata operations.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch.utils.data import Dataset
+
+from hpctrain.data.seeding import SALT_ORDER, generator
+from hpctrain.data.shards import INDEX, MANIFEST, WRITING
+from hpctrain.errors import UserError
+
+_CPP_LOCATION = re.compile(r"^\w+, \S+\.(?:cpp|cu|h):\d+, ")  # torchvision's "decode_image, /path/x.cpp:67, "
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "ppm", "pgm", "bmp")
+
+
+class DataError(UserError):
+    """An unreadable sample: corrupt image, missing member, label out of range. ``data.on_error=skip`` counts
+    and skips these; otherwise they stop the run with this message."""
+
+
+def shard_epoch_order(sizes: Sequence[int], seed: int, epoch: int, window: int, shuffle: bool = True) -> torch.Tensor:
+    """The epoch's global sample order (indices into the concatenated shards)."""
+    total = int(sum(sizes))
+    if not shuffle:
+        return torch.arange(total)
+    g = generator(SALT_ORDER, seed, epoch)
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + int(n))
+    stream = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in torch.randperm(len(sizes), generator=g).tolist()]
+                       or [torch.arange(0)])
+    if window <= 1:
+        return stream
+    window = min(window, total)
+    first = int(torch.randint(0, window, (1,), generator=g)) if total > window else window
+    cuts = [0, *range(first, total, window), total]
+    pieces = [stream[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
+    return torch.cat([p[torch.randperm(len(p), generator=g)] for p in pieces])
+
+
+class BlockReader:
+    """Reads byte ranges of shard files through an LRU cache of aligned blocks.
+
+    Not shared between processes: each loader worker builds its own on first use (the
+    dataset is pickled into workers without open files)."""
+
+    def __init__(self, paths: Sequence[Path], block_bytes: int, cache_bytes: int) -> None:
+        self.paths = list(paths)
+        self.block_bytes = block_bytes
+        self.max_blocks = max(2, cache_bytes // block_bytes)
+        self._files: OrderedDict[int, int] = OrderedDict()  # shard -> fd
+        self._blocks: OrderedDict[tuple[int, int], bytes] = OrderedDict()
+        self.opened = 0
+        """Files opened by this process (for tests and the benchmark)."""
+        self.reads = 0
+        self.bytes_read = 0
+
+    def read(self, shard: int, offset: int, size: int) -> bytes:
+        b = self.block_bytes
+        first, last = offset // b, (offset + size - 1) // b if size else offset // b
+        parts = [self._block(shard, i) for i in range(first, last + 1)]
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        start = offset - first * b
+        out = data[start : start + size]
+        if len(out) != size:
+            raise DataError(f"{self.paths[shard]}: {size} bytes expected at offset {offset}, the file ends before",
+                            "the shard is truncated: re-create it or copy it again, then re-index (hpctrain shard --index-only).")
+        return out
+
+    def _block(self, shard: int, i: int) -> bytes:
+        key = (shard, i)
+        block = self._blocks.get(key)
+        if block is not None:
+            self._blocks.move_to_end(key)
+            return block
+        block = os.pread(self._fd(shard), self.block_bytes, i * self.block_bytes)
+        self.reads += 1
+        self.bytes_read += len(block)
+        self._blocks[key] = block
+        if len(self._blocks) > self.max_blocks:
+            self._blocks.popitem(last=False)
+        return block
+
+    def _fd(self, shard: int) -> int:
+        fd = self._files.get(shard)
+        if fd is None:
+            try:
+                fd = os.open(self.paths[shard], os.O_RDONLY)
+            except OSError as err:
+                raise DataError(f"cannot open shard {self.paths[shard]}: {err.strerror}",
+                                "check that the shard directory is complete and readable on this node.") from None
+            self.opened += 1
+            self._files[shard] = fd
+            if len(self._files) > 16:  # bound open files; shards are read in order, so old ones are done
+                os.close(self._files.popitem(last=False)[1])
+        else:
+            self._files.move_to_end(shard)
+        return fd
+
+    def close(self) -> None:
+        for fd in self._files.values():
+            os.close(fd)
+        self._files.clear()
+        self._blocks.clear()
+
+
+def decode_member(ext: str, data: bytes) -> Any:
+    """Bytes of one member -> a value, by WebDataset's extension conventions."""
+    last = ext.rsplit(".", 1)[-1]
+    if last in IMAGE_EXTS:
+        from torchvision.io import ImageReadMode, decode_image
+
+        return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.UNCHANGED)
+    if last in ("cls", "cls2", "index", "label"):
+        return int(data.decode("ascii").strip())
+    if last == "json":
+        return json.loads(data)
+    if last in ("txt", "text"):
+        return data.decode("utf-8")
+    if last in ("npy",):
+        import numpy as np
+
+        return np.load(io.BytesIO(data), allow_pickle=False)
+    return data
+
+
+@dataclass(frozen=True)
+class _Located:
+    shard: int
+    key: str
+    members: dict[str, tuple[int, int]]
+
+
+class ShardDataset(Dataset):
+    """Map-style view of a split's shards: ``ds[i]`` is the tuple of the requested fields of sample i.
+
+    ``fields`` follow webdataset's ``to_tuple``: extensions, with alternatives joined by
+    ';' ("jpg;png"). ``decode=False`` returns raw bytes (as uint8 tensors) for image
+    fields, for decoding on the GPU (:mod:`hpctrain.data.gpu_decode`)."""
+
+    def __init__(
+        self,
+        split_dir: str | Path,
+        fields: Sequence[str],
+        *,
+        num_classes: int = 0,
+        window: int = 4096,
+        block_bytes: int = 1 << 20,
+        cache_bytes: int = 128 << 20,
+        decode: bool = True,
+    ) -> None:
+        self.split_dir = Path(split_dir)
+        self.fields = [f.split(";") for f in fields]
+        self.num_classes = num_classes
+        self.window = window
+        self.block_bytes = block_bytes
+        self.cache_bytes = cache_bytes
+        self.decode = decode
+        index = load_index(self.split_dir)
+        self.shard_names = [s["name"] for s in index["shards"]]
+        self.sizes = [len(s["keys"]) for s in index["shards"]]
+        self._index = index["shards"]
+        self._starts = [0]
+        for n in self.sizes:
+            self._starts.append(self._starts[-1] + n)
+        if self._starts[-1] == 0:
+            raise UserError(f"the shards in {self.split_dir} hold no samples", "re-create them with hpctrain shard.")
+        self._reader: BlockReader | None = None
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def epoch_order(self, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
+        """Used by the step sampler in place of a full permutation (see the module docstring)."""
+        return shard_epoch_order(self.sizes, seed, epoch, self.window, shuffle)
+
+    @property
+    def reader(self) -> BlockReader:
+        if self._reader is None:
+            self._reader = BlockReader([self.split_dir / n for n in self.shard_names], self.block_bytes, self.cache_bytes)
+        return self._reader
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_reader"] = None  # open files and cached blocks stay in the process that made them
+        return state
+
+    def locate(self, i: int) -> _Located:
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} outside 0..{len(self) - 1}")
+        shard = _bisect(self._starts, i)
+        j = i - self._starts[shard]
+        entry = self._index[shard]
+        members = {ext: (col[j][0], col[j][1]) for ext, col in entry["members"].items() if col[j] is not None}
+        return _Located(shard, entry["keys"][j], members)
+
+    def where(self, loc: _Located) -> str:
+        return f"sample '{loc.key}' of shard {self.split_dir / self.shard_names[loc.shard]}"
+
+    def __getitem__(self, i: int) -> tuple[Any, ...]:
+        loc = self.locate(i)
+        return tuple(self._field(loc, alternatives) for alternatives in self.fields)
+
+    def _field(self, loc: _Located, alternatives: list[str]) -> Any:
+        ext = next((e for e in alternatives if e in loc.members), None)
+        if ext is None:
+            raise DataError(f"{self.where(loc)} has no {' or '.join('.' + e for e in alternatives)} member",
+                            f"it has {sorted(loc.members)}; re-create the shards or fix the fields.")
+        data = self.reader.read(loc.shard, *loc.members[ext])
+        if not self.decode and ext.rsplit(".", 1)[-1] in IMAGE_EXTS:
+            return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        try:
+            value = decode_member(ext, data)
+        except Exception as err:  # torchvision raises RuntimeError for corrupt images
+            reason = _CPP_LOCATION.sub("", str(err).strip().splitlines()[0] if str(err).strip() else "")[:200]
+            raise DataError(f"{self.where(loc)}: cannot decode .{ext} ({type(err).__name__}: {reason})",
+                            "the file is corrupt: re-create the shards from the source, or set data.on_error=skip.") from None
+        if isinstance(value, int) and self.num_classes and not 0 <= value < self.num_classes:
+            raise DataError(f"{self.where(loc)}: label {value} outside the {self.num_classes} classes 0..{self.num_classes - 1}",
+                            "the shards belong to another data set, or their labels are wrong.")
+        return value
+
+
+def _bisect(starts: list[int], i: int) -> int:
+    lo, hi = 0, len(starts) - 2
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if starts[mid] <= i:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def load_index(split_dir: Path) -> dict[str, Any]:
+    """The split's index; shards from another writer (no index yet) get a clear instruction."""
+    if not split_dir.is_dir():
+        raise UserError(f"shard directory {split_dir} does not exist", "create shards with: hpctrain shard SOURCE OUT --format ...")
+    path = split_dir / INDEX
+    if (split_dir / WRITING).exists():
+        raise UserError(f"the shard set in {split_dir} is incomplete: its writer did not finish",
+                        "re-create it with hpctrain shard (the shards there may be a part of the data set only).")
+    if not path.exists():
+        tars = list(split_dir.glob("*.tar"))
+        if not tars:
+            raise UserError(f"no shards in {split_dir} (no index.json and no .tar files)",
+                            "create shards with: hpctrain shard SOURCE OUT --format ...")
+        raise UserError(f"{split_dir} has {len(tars)} .tar shard(s) but no {INDEX}",
+                        f"index them once (reads only the tar headers): hpctrain shard --index-only {split_dir}")
+    if not (split_dir / MANIFEST).exists():
+        raise UserError(f"{split_dir} has no {MANIFEST}: the shard set is incomplete (writing was interrupted?)",
+                        "re-create it with hpctrain shard.")
+    try:
+        index = json.loads(path.read_text())
+        shards = index["shards"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise UserError(f"{path} is not a valid shard index ({err})", f"re-index: hpctrain shard --index-only {split_dir}") from None
+    if not shards:
+        raise UserError(f"{path} lists no shards", "create shards with hpctrain shard.")
+    return index
