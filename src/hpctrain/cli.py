@@ -82,7 +82,7 @@ def _shard(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from hpctrain.data.shard_command import ShardRequest, index_only_command, shard_command
-    from hpctrain.data.shards import parse_size
+    from hpctrain.units import parse_size
     from hpctrain.logs import setup_logging
 
     setup_logging(debug=args.debug)

@@ -100,7 +100,8 @@ class DataSection:
     """Batches each worker loads ahead."""
     on_error: Literal["raise", "skip"] = "raise"
     """An unreadable sample (corrupt image, missing member, label out of range) stops the run with its name
-    (raise), or is left out of its batch, counted, and reported at the end of the epoch (skip)."""
+    (raise), or is left out of its batch, counted, and reported at the end of the epoch (skip). A batch with a
+    skipped sample is smaller, and its mean loss still weighs as much as a full batch's."""
     shuffle_window: int = 4096
     """Sharded sets: samples are shuffled within windows of this many consecutive samples of the epoch's shard
     stream (shards permuted per epoch). Larger mixes better and reads more bytes per step's worth of samples."""

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from tqdm import tqdm
+
 from hpctrain.data.shards import MANIFEST, index_directory, write_split
 from hpctrain.errors import UserError
 
@@ -85,6 +87,8 @@ def _write_one_split(req: ShardRequest, split: str, samples: Iterator[dict[str, 
     tmp = req.out / f".{split}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
     skips: Skips = extra.pop("_skips")
+    # A bar on a terminal only (tqdm's disable=None): a batch job's log gets the summary line below.
+    samples = tqdm(samples, total=extra.pop("_count", None), desc=f"shard {split}", unit=" samples", disable=None)
     started = time.perf_counter()
     meta = {"dataset": req.format, "split": split, "source": str(req.source), "resize": req.resize, **extra}
     try:
@@ -145,7 +149,7 @@ def _celebamask(req: ShardRequest):
                            "json": {"id": image_id, "split": split}}
 
         if members:
-            yield split, gen(), {"classes": list(celebamask.CLASSES), "_skips": skips}
+            yield split, gen(), {"classes": list(celebamask.CLASSES), "_skips": skips, "_count": len(members)}
 
 
 def _imagefolder(req: ShardRequest):
@@ -164,7 +168,7 @@ def _imagefolder(req: ShardRequest):
                     yield {"__key__": f"{i:07d}", ext: data, "cls": label,
                            "json": {"path": str(path.relative_to(directory)), "class": names[label]}}
 
-        yield split, gen(), {"classes": names, "_skips": skips}
+        yield split, gen(), {"classes": names, "_skips": skips, "_count": len(items)}
 
 
 def _image_payload(path: Path, resize: int) -> tuple[bytes, str]:

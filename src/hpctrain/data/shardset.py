@@ -198,6 +198,7 @@ class ShardDataset(Dataset):
             self._starts.append(self._starts[-1] + n)
         if self._starts[-1] == 0:
             raise UserError(f"the shards in {self.split_dir} hold no samples", "re-create them with hpctrain shard.")
+        _check_sizes(self.split_dir)
         self._reader: BlockReader | None = None
 
     def __len__(self) -> int:
@@ -263,6 +264,22 @@ def _bisect(starts: list[int], i: int) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+def _check_sizes(split_dir: Path) -> None:
+    """Each shard's size against the manifest (a stat each, no reading): a truncated copy or a shard
+    rewritten after indexing is refused before training rather than failing mid-epoch."""
+    manifest = json.loads((split_dir / MANIFEST).read_text())
+    for shard in manifest.get("shards", []):
+        path = split_dir / shard["name"]
+        try:
+            size = path.stat().st_size
+        except OSError as err:
+            raise UserError(f"shard {path} is listed in the manifest but cannot be read: {err.strerror}",
+                            "copy the whole shard directory again.") from None
+        if size != shard["bytes"]:
+            raise UserError(f"shard {path} has {size} bytes, the manifest says {shard['bytes']}: it is truncated or was "
+                            "rewritten after indexing", "copy it again, or re-create / re-index the shard set.")
 
 
 def load_index(split_dir: Path) -> dict[str, Any]:
