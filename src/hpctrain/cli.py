@@ -44,8 +44,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_shard_parser(sub)
 
-    doctor = sub.add_parser("doctor", help="check the launch environment (inside a job: on every node via srun)")
+    doctor = sub.add_parser("doctor", help="check the launch environment (inside a job: on every node via srun); "
+                            "--perf measures bandwidth, matmul throughput and stragglers")
     doctor.add_argument("--json", action="store_true", help="print the findings as JSON")
+    doctor.add_argument("--perf", action="store_true",
+                        help="performance pre-flight on all ranks: all-reduce bandwidth (1 KiB up to --max-size), matrix "
+                        "multiply TFLOP/s per rank, stragglers; writes preflight.json and preflight.md to --out")
+    doctor.add_argument("--nproc-per-node", type=int, default=0, metavar="N", help="--perf: start N local ranks (torchrun)")
+    doctor.add_argument("--out", default="", metavar="DIR", help="--perf: report directory (default runs/preflight-TIME)")
+    doctor.add_argument("--max-size", default="0", metavar="SIZE",
+                        help="--perf: largest all-reduce message (default 1GiB on GPUs, 64MiB on CPUs)")
+    doctor.add_argument("--min-busbw", type=float, default=0.0, metavar="GB/s", help="--perf: fail below this bus bandwidth")
+    doctor.add_argument("--min-tflops", type=float, default=0.0, metavar="TFLOP/s",
+                        help="--perf: fail when a rank's matrix multiply is below this")
+    doctor.add_argument("--max-straggler", type=float, default=1.5, metavar="RATIO",
+                        help="--perf: fail when the slowest rank needs this many times the median time (default 1.5)")
     doctor.add_argument("--debug", action="store_true", help="show tracebacks")
     doctor.set_defaults(func=_doctor)
 
@@ -109,6 +122,9 @@ def _add_slurm_parser(sub) -> None:
         _add_run_args(p)
         if name == "submit":
             p.add_argument("--force", action="store_true", help="submit despite errors found by the check")
+            p.add_argument("--preflight", action="store_true",
+                           help="run hpctrain doctor --perf on all ranks first; a failed check ends the job before "
+                           "training (same as slurm.preflight=true; options in slurm.preflight_args)")
         p.set_defaults(func=_slurm, command_name=name)
     for name, text in (("status", "Slurm state and training progress"), ("cancel", "cancel the job"),
                        ("logs", "print (or follow) the job's log")):
@@ -134,6 +150,8 @@ def _slurm(args: argparse.Namespace) -> int:
             return commands.render_command(*sources)
         if name == "check":
             return commands.check_command(*sources)
+        if args.preflight:
+            sources = (args.experiment, args.config_file, tuple(args.overrides) + ("slurm.preflight=true",))
         return commands.submit_command(*sources, force=args.force)
     if name == "status":
         return commands.status_command(args.target)
@@ -149,6 +167,17 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
+    if args.perf:
+        from hpctrain.units import parse_size
+        from hpctrain.logs import setup_logging
+        from hpctrain.perf.command import PerfRequest, perf_command
+        from hpctrain.perf.preflight import Thresholds
+
+        setup_logging(debug=args.debug)
+        if args.max_straggler < 1:
+            raise UserError(f"--max-straggler {args.max_straggler} is below 1", "it is the slowest / median ratio, e.g. 1.5.")
+        thresholds = Thresholds(args.min_busbw, args.min_tflops, args.max_straggler)
+        return perf_command(PerfRequest(args.nproc_per_node, args.out, parse_size(args.max_size), thresholds))
     from hpctrain.doctor import doctor_command
 
     return doctor_command(as_json=args.json)

@@ -150,3 +150,19 @@ def test_doctor_runs_on_every_node_and_names_the_one_that_is_wrong(cluster):
     assert "node1: PASS master address: node1 resolves to 10.77.0.11" in out
     assert "node2: PASS master address: node1 resolves to 10.77.0.11" in out
     assert "node1: PASS NCCL_SOCKET_IFNAME" in out and "node2: FAIL NCCL_SOCKET_IFNAME" in out
+
+
+def test_preflight_runs_on_both_nodes_first_and_a_failure_stops_the_job(cluster, tmp_path):
+    ok_dir, bad_dir = tmp_path / "preflight-ok", tmp_path / "preflight-bad"
+    small = "slurm.preflight_args=['--max-size', '256KiB']"
+    ok = submit(cluster, ok_dir, "slurm.preflight=true", small, "train.max_steps=5", cwd=tmp_path)
+    bad = submit(cluster, bad_dir, "slurm.preflight=true",
+                 "slurm.preflight_args=['--max-size', '64KiB', '--min-busbw', '1000000']", cwd=tmp_path)
+    assert cluster.wait_job(ok, ("COMPLETED", "FAILED", "CANCELLED"), timeout=150)["JobState"] == "COMPLETED", job_log(ok_dir)
+    report = json.loads((ok_dir / "preflight" / ok / "preflight.json").read_text())
+    assert report["world_size"] == 4 and {r["host"] for r in report["ranks"]} == {"node1", "node2"}
+    assert report["bandwidth"][-1]["bytes"] == 256 * 1024
+    assert (ok_dir / "metrics.jsonl").exists()
+    assert cluster.wait_job(bad, ("COMPLETED", "FAILED", "CANCELLED"), timeout=150)["JobState"] == "FAILED"
+    assert "the pre-flight failed, not training" in job_log(bad_dir)
+    assert not (bad_dir / "metrics.jsonl").exists(), "training must not start after a failed pre-flight"

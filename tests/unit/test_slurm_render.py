@@ -37,6 +37,7 @@ SHAPES = {
     "nccl_ethernet": dict(nodes=2, nccl="ethernet", nccl_socket_ifname="eth0"),
     "nccl_none": dict(nodes=2, nccl="none", nccl_debug=""),
     "cpu_only": dict(nodes=2, gpus_per_node=2, gpus=False, cpus_per_task=2, monitor_every_s=0),
+    "preflight": dict(nodes=2, gpus_per_node=4, preflight=True, preflight_args=("--min-busbw", "20")),
 }
 
 

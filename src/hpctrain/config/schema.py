@@ -254,6 +254,11 @@ class SlurmSection:
     port: int = 0
     """Rendezvous port on the first node. 0: derived from the job id (15000 + id % 15000), so that two jobs
     sharing a node do not collide."""
+    preflight: bool = False
+    """Run `hpctrain doctor --perf` on all ranks as the job's first step (report in RUN_DIR/preflight/JOBID);
+    a failed check ends the job before training (`hpctrain slurm submit --preflight` sets this)."""
+    preflight_args: tuple[str, ...] = ()
+    """Extra `doctor --perf` options for the pre-flight, e.g. ["--min-busbw", "20", "--max-size", "256MiB"]."""
 
 
 @dataclass(frozen=True, kw_only=True)

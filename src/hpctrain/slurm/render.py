@@ -214,15 +214,40 @@ def _config(spec: JobSpec) -> str:
     ])
 
 
-def launcher_args(spec: JobSpec) -> list[str]:
+def launcher_args(spec: JobSpec, rdzv_id: str = '"$SLURM_JOB_ID"') -> list[str]:
     """torchrun arguments (shell words; the $VARIABLES are expanded by the batch shell)."""
     s = spec.slurm
     if s.nodes == 1:
         return ["--standalone", "--nnodes=1", f"--nproc-per-node={s.gpus_per_node}"]
     return [
         '--nnodes="$SLURM_JOB_NUM_NODES"', f"--nproc-per-node={s.gpus_per_node}",
-        "--rdzv-backend=c10d", '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"', '--rdzv-id="$SLURM_JOB_ID"',
+        "--rdzv-backend=c10d", '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"', f"--rdzv-id={rdzv_id}",
         "--max-restarts=0",
+    ]
+
+
+def _step_prefix(spec: JobSpec, rdzv_id: str = '"$SLURM_JOB_ID"') -> list[str]:
+    """srun + container + torchrun, up to the hpctrain command: the same for the pre-flight and the training."""
+    s = spec.slurm
+    python = spec.python if not s.container else (spec.python if spec.slurm.python else "python")
+    cmd = ["srun", "--kill-on-bad-exit=1", "--ntasks-per-node=1", f"--cpus-per-task={cpus_per_task(s)}"]
+    cmd += _container_prefix(spec)
+    return cmd + [q(python), "-u", "-m", "hpctrain.dist.torchrun_main"] + launcher_args(spec, rdzv_id) + ["-m", "hpctrain"]
+
+
+def _preflight(spec: JobSpec) -> list[str]:
+    if not spec.slurm.preflight:
+        return []
+    cmd = _step_prefix(spec, '"$SLURM_JOB_ID-preflight"')
+    cmd += ["doctor", "--perf", '--out "$RUN_DIR/preflight/$SLURM_JOB_ID"'] + [q(a) for a in spec.slurm.preflight_args]
+    return [
+        "",
+        "# --- pre-flight: all-reduce bandwidth, matmul throughput, stragglers on every rank; stop on a failure ---",
+        "PREFLIGHT=(" + " ".join(cmd) + ")",
+        'if ! "${PREFLIGHT[@]}"; then',
+        '  echo "hpctrain: the pre-flight failed, not training: $RUN_DIR/preflight/$SLURM_JOB_ID/preflight.md"',
+        "  exit 1",
+        "fi",
     ]
 
 
@@ -240,13 +265,8 @@ def _container_prefix(spec: JobSpec) -> list[str]:
 
 
 def _launch(spec: JobSpec) -> str:
-    s = spec.slurm
-    python = spec.python if not s.container else (spec.python if spec.slurm.python else "python")
-    cmd = ["srun", "--kill-on-bad-exit=1", "--ntasks-per-node=1", f"--cpus-per-task={cpus_per_task(s)}"]
-    cmd += _container_prefix(spec)
-    cmd += [q(python), "-u", "-m", "hpctrain.dist.torchrun_main"] + launcher_args(spec)
-    cmd += ["-m", "hpctrain", "train", q(spec.experiment), '--config "$CONFIG"']
-    lines = [
+    cmd = _step_prefix(spec) + ["train", q(spec.experiment), '--config "$CONFIG"']
+    lines = _preflight(spec) + [
         "",
         "# --- launch: one torchrun per node ---",
         "LAUNCH=(" + " ".join(cmd) + ")",

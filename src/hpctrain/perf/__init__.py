@@ -1,0 +1,1 @@
+"""Performance pre-flight: bandwidth, matrix-multiply throughput, stragglers."""

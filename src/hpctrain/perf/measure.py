@@ -1,0 +1,127 @@
+"""The measurements of the performance pre-flight: all-reduce bandwidth, matrix-multiply throughput,
+and a straggler check. Each runs on every rank of an initialised process group (or one process).
+
+Bandwidth follows nccl-tests' definitions (doc/PERFORMANCE.md there): for a message of S bytes
+that takes t seconds, algorithm bandwidth algbw = S / t, and for all-reduce the bus bandwidth
+busbw = algbw x 2(n-1)/n, which is what each link carries in a ring and so is comparable with
+the hardware's link speed whatever the number of ranks n. A collective is done when its slowest
+rank is done, so t is the maximum over ranks of each rank's median time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hpctrain.dist.runtime import Runtime
+
+
+def bus_bandwidth(algbw: float, world_size: int) -> float:
+    """nccl-tests' all-reduce bus bandwidth (0 for one rank: nothing crosses a link)."""
+    return algbw * 2 * (world_size - 1) / world_size
+
+
+def message_sizes(min_bytes: int, max_bytes: int, factor: int = 4) -> list[int]:
+    """min, min x factor, ... up to max (inclusive when it lies on the sequence), float32-aligned."""
+    sizes, size = [], max(4, min_bytes - min_bytes % 4)
+    while size <= max_bytes:
+        sizes.append(size)
+        size *= factor
+    return sizes
+
+
+@dataclass(frozen=True)
+class BandwidthRow:
+    bytes: int
+    """Message size."""
+    time_us: float
+    """Slowest rank's median time per all-reduce."""
+    algbw_gbps: float
+    """bytes / time, GB/s."""
+    busbw_gbps: float
+    """algbw x 2(n-1)/n, GB/s."""
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _slowest(seconds: float, runtime: Runtime) -> float:
+    if not runtime.distributed:
+        return seconds
+    t = torch.tensor([seconds], dtype=torch.float64, device=runtime.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def all_reduce_bandwidth(runtime: Runtime, sizes: list[int], iters: int = 20, warmup: int = 3) -> list[BandwidthRow]:
+    """Sum all-reduce of float32 tensors of each size; fewer timed iterations for large messages."""
+    rows = []
+    for size in sizes:
+        buf = torch.ones(size // 4, dtype=torch.float32, device=runtime.device)
+        n = iters if size <= 1 << 20 else max(3, iters // 4)
+        times = []
+        for i in range(warmup + n):
+            if runtime.distributed:
+                dist.barrier()
+            _sync(runtime.device)
+            start = time.perf_counter()
+            if runtime.distributed:
+                dist.all_reduce(buf)
+            _sync(runtime.device)
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+        t = _slowest(statistics.median(times), runtime)
+        algbw = size / t / 1e9 if t > 0 else 0.0
+        rows.append(BandwidthRow(size, t * 1e6, algbw, bus_bandwidth(algbw, runtime.world_size)))
+        del buf
+    return rows
+
+
+def matmul_tflops(device: torch.device, n: int, dtype: torch.dtype, iters: int = 10) -> float:
+    """Dense n x n x n matrix multiplies per second, in TFLOP/s (2 n^3 per multiply)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b  # warm-up: kernels chosen, caches filled
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    _sync(device)
+    return 2 * n**3 * iters / (time.perf_counter() - start) / 1e12
+
+
+@dataclass(frozen=True)
+class Straggler:
+    times_s: list[float]
+    """Each rank's time for the same fixed compute step (index = rank)."""
+    slowest_rank: int
+    ratio: float
+    """Slowest rank's time / median rank's time."""
+
+
+def straggler_check(runtime: Runtime, n: int, dtype: torch.dtype, iters: int = 5) -> Straggler:
+    """Every rank times the same fixed work; a rank much slower than the median slows every step of DDP."""
+    a = torch.randn(n, n, device=runtime.device, dtype=dtype)
+    a @ a
+    if runtime.distributed:
+        dist.barrier()
+    _sync(runtime.device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        a @ a
+    _sync(runtime.device)
+    mine = time.perf_counter() - start
+    times = [mine]
+    if runtime.distributed:
+        out = torch.zeros(runtime.world_size, dtype=torch.float64, device=runtime.device)
+        out[runtime.rank] = mine
+        dist.all_reduce(out)
+        times = out.tolist()
+    slowest = max(range(len(times)), key=times.__getitem__)
+    return Straggler(times, slowest, times[slowest] / statistics.median(times))

@@ -1,0 +1,156 @@
+"""`hpctrain doctor --perf`: measure what a distributed run will get before it runs.
+
+Runs on every rank (``hpctrain doctor --perf --nproc-per-node N`` locally, or under srun/torchrun in a
+job): an environment report per node, all-reduce bandwidth over message sizes, matrix-multiply
+throughput per rank, and a straggler check. Rank 0 judges the results against the user's thresholds
+and writes ``preflight.json`` and ``preflight.md``; the exit code is 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpctrain.atomic import atomic_write_text
+from hpctrain.doctor import Check
+from hpctrain.dist.collectives import broadcast_object, gather_objects
+from hpctrain.dist.env import cpus_available
+from hpctrain.dist.runtime import Runtime
+from hpctrain.perf.measure import BandwidthRow, Straggler, all_reduce_bandwidth, matmul_tflops, message_sizes, straggler_check
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    min_busbw_gbps: float = 0.0
+    """Fail when the bus bandwidth of the largest message is below this (0: report only)."""
+    min_tflops: float = 0.0
+    """Fail when any rank's matrix-multiply throughput is below this (0: report only)."""
+    max_straggler: float = 1.5
+    """Fail when the slowest rank takes this many times the median rank's time (warn above 1.2)."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    min_bytes: int = 1 << 10
+    """Smallest all-reduce message."""
+    max_bytes: int = 1 << 30
+    """Largest all-reduce message (1 GiB on GPUs; the CLI lowers it on CPUs)."""
+    matmul_n: int = 0
+    """Matrix size for the throughput and straggler tests; 0: 8192 on GPUs, 512 on CPUs."""
+
+
+def environment() -> dict[str, Any]:
+    """What this process sees: versions, devices, CPUs, network interfaces, NCCL_* and SLURM_* variables."""
+    cuda = torch.cuda.is_available()
+    info: dict[str, Any] = {
+        "host": socket.gethostname().split(".")[0],
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda if cuda else None,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+        "gpus": [f"{torch.cuda.get_device_name(i)} ({torch.cuda.get_device_properties(i).total_memory / 2**30:.0f} GiB)"
+                 for i in range(torch.cuda.device_count())] if cuda else [],
+        "cpus_usable": cpus_available(),
+        "interfaces": sorted(name for _, name in socket.if_nameindex()),
+        "variables": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("NCCL_", "SLURM_"))},
+    }
+    return info
+
+
+def run_preflight(runtime: Runtime, settings: Settings, thresholds: Thresholds, out_dir: Path) -> int:
+    """Collective. Returns the exit code (1 when a check fails), the same on every rank."""
+    gpu = runtime.device.type == "cuda"
+    dtype = torch.bfloat16 if gpu else torch.float32
+    n = settings.matmul_n or (8192 if gpu else 512)
+    envs = gather_objects(environment(), runtime)
+    rows = all_reduce_bandwidth(runtime, message_sizes(settings.min_bytes, settings.max_bytes))
+    tflops = gather_objects(matmul_tflops(runtime.device, n, dtype), runtime)
+    straggler = straggler_check(runtime, n, dtype)
+    checks = judge(rows, tflops, straggler, thresholds, runtime.world_size)
+    if runtime.is_main:
+        report = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "world_size": runtime.world_size,
+            "backend": runtime.backend or "none",
+            "device": runtime.device.type,
+            "dtype": str(dtype).replace("torch.", ""),
+            "matmul_n": n,
+            "thresholds": asdict(thresholds),
+            "checks": [asdict(c) for c in checks],
+            "bandwidth": [asdict(r) for r in rows],
+            "tflops_per_rank": tflops,
+            "straggler": asdict(straggler),
+            "ranks": envs,
+        }
+        out_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out_dir / "preflight.json", json.dumps(report, indent=1) + "\n")
+        atomic_write_text(out_dir / "preflight.md", render_markdown(report))
+        print(render_markdown(report), end="")
+        print(f"report: {out_dir / 'preflight.md'} and preflight.json", file=sys.stderr)
+    failed = any(c.status == "fail" for c in checks)
+    return int(broadcast_object(1 if failed else 0, runtime))
+
+
+def judge(rows: list[BandwidthRow], tflops: list[float], straggler: Straggler, t: Thresholds, world: int) -> list[Check]:
+    checks = []
+    if world > 1 and rows:
+        top = rows[-1]
+        detail = f"{top.busbw_gbps:.2f} GB/s bus bandwidth at {_size(top.bytes)} ({top.algbw_gbps:.2f} GB/s algorithm)"
+        if t.min_busbw_gbps and top.busbw_gbps < t.min_busbw_gbps:
+            checks.append(Check("all-reduce bandwidth", "fail", f"{detail}, below the required {t.min_busbw_gbps:g} GB/s: "
+                                "check NCCL_SOCKET_IFNAME / InfiniBand (NCCL_DEBUG=INFO shows the transport)"))
+        else:
+            checks.append(Check("all-reduce bandwidth", "pass", detail))
+    else:
+        checks.append(Check("all-reduce bandwidth", "skip", "one process: nothing to measure"))
+    worst = min(range(len(tflops)), key=tflops.__getitem__)
+    detail = f"slowest rank {worst}: {tflops[worst]:.2f} TFLOP/s (all ranks: {', '.join(f'{x:.2f}' for x in tflops)})"
+    if t.min_tflops and tflops[worst] < t.min_tflops:
+        checks.append(Check("matrix multiply", "fail", f"{detail}, below the required {t.min_tflops:g}: "
+                            "a throttled or shared GPU (nvidia-smi -q -d PERFORMANCE,CLOCK)"))
+    else:
+        checks.append(Check("matrix multiply", "pass", detail))
+    detail = f"rank {straggler.slowest_rank} takes {straggler.ratio:.2f}x the median rank's time for the same work"
+    if straggler.ratio > t.max_straggler:
+        checks.append(Check("stragglers", "fail", f"{detail} (limit {t.max_straggler:g}): every DDP step waits for it"))
+    elif straggler.ratio > 1.2:
+        checks.append(Check("stragglers", "warn", f"{detail}: every DDP step waits for the slowest rank"))
+    else:
+        checks.append(Check("stragglers", "pass", detail))
+    return checks
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:g} {unit}"
+    return f"{n} B"
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """The human report (a pure function of the JSON report)."""
+    lines = [f"# hpctrain pre-flight, {report['time']}", "",
+             f"{report['world_size']} process(es), backend {report['backend']}, {report['device']}, "
+             f"matmul {report['matmul_n']}x{report['matmul_n']} {report['dtype']}", "", "## Checks", "",
+             "| check | status | detail |", "|---|---|---|"]
+    lines += [f"| {c['name']} | {c['status'].upper()} | {c['detail']} |" for c in report["checks"]]
+    lines += ["", "## All-reduce (float32, sum)", "", "| size | time (us) | algbw (GB/s) | busbw (GB/s) |",
+              "|---:|---:|---:|---:|"]
+    lines += [f"| {_size(r['bytes'])} | {r['time_us']:.1f} | {r['algbw_gbps']:.3f} | {r['busbw_gbps']:.3f} |"
+              for r in report["bandwidth"]]
+    lines += ["", "busbw = algbw x 2(n-1)/n (nccl-tests' definition); time is the slowest rank's median.", "",
+              "## Ranks", "", "| rank | host | TFLOP/s | straggler step (s) | GPUs | CPUs |", "|---:|---|---:|---:|---|---:|"]
+    for rank, env in enumerate(report["ranks"]):
+        lines.append(f"| {rank} | {env['host']} | {report['tflops_per_rank'][rank]:.2f} | "
+                     f"{report['straggler']['times_s'][rank]:.4f} | {', '.join(env['gpus']) or '-'} | {env['cpus_usable']} |")
+    first = report["ranks"][0]
+    lines += ["", f"torch {first['torch']}, CUDA {first['cuda'] or '-'}, NCCL {first['nccl'] or '-'}; "
+              f"interfaces on {first['host']}: {', '.join(first['interfaces'])}", ""]
+    return "\n".join(lines)
