@@ -106,6 +106,8 @@ def test_imagefolder_corrupt_file_and_existing_output(tmp_path: Path, capsys):
     assert "--force" in capsys.readouterr().err
     assert (tmp_path / "out" / "train" / "manifest.json").read_text() == before
     assert shard(str(src), str(tmp_path / "out"), "--format", "imagefolder", "--on-error", "skip", "--force") == 0
+    assert shard(str(src), str(src / "shards"), "--format", "imagefolder") == 2
+    assert "lies inside the source" in capsys.readouterr().err and not (src / "shards").exists()
 
 
 def test_paired_crop_flip_moves_image_and_labels_together():

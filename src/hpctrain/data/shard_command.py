@@ -66,6 +66,10 @@ def shard_command(req: ShardRequest) -> int:
     if req.format not in FORMATS:
         raise UserError(f"unknown format '{req.format}'", f"choose one of {', '.join(FORMATS)}.")
     builders = {"cifar10": _cifar10, "celebamask": _celebamask, "imagefolder": _imagefolder}
+    source, out = req.source.resolve(), req.out.resolve()
+    if req.format == "imagefolder" and (out == source or source in out.parents):  # the others read named files only
+        raise UserError(f"the output {req.out} lies inside the source {req.source}",
+                        "ImageFolder reads every sub-folder, so the shards would become a class: choose an OUT outside SOURCE.")
     req.out.mkdir(parents=True, exist_ok=True)
     for split, samples, extra in builders[req.format](req):
         _write_one_split(req, split, samples, extra)
