@@ -12,8 +12,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
-from torch.utils.data import default_collate
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate, get_worker_info
 
 from hpctrain.config.schema import DataSection
 from hpctrain.data.sampler import SampleKey
