@@ -26,6 +26,7 @@ stream. hpctrain keeps its one rule instead: the epoch's global order is a funct
 
 from __future__ import annotations
 
+import bisect
 import io
 import json
 import os
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
@@ -150,9 +152,7 @@ def decode_member(ext: str, data: bytes) -> Any:
         return json.loads(data)
     if last in ("txt", "text"):
         return data.decode("utf-8")
-    if last in ("npy",):
-        import numpy as np
-
+    if last == "npy":
         return np.load(io.BytesIO(data), allow_pickle=False)
     return data
 
@@ -192,7 +192,14 @@ class ShardDataset(Dataset):
         index = load_index(self.split_dir)
         self.shard_names = [s["name"] for s in index["shards"]]
         self.sizes = [len(s["keys"]) for s in index["shards"]]
-        self._index = index["shards"]
+        # Offsets as one int64 array per shard and extension (-1: member absent): a JSON list of lists costs
+        # ~100 bytes per sample in every loader process, which for millions of samples is gigabytes.
+        self._keys = [s["keys"] for s in index["shards"]]
+        self._members = [
+            {ext: np.array([c if c is not None else (-1, -1) for c in col], dtype=np.int64).reshape(-1, 2)
+             for ext, col in s["members"].items()}
+            for s in index["shards"]
+        ]
         self._starts = [0]
         for n in self.sizes:
             self._starts.append(self._starts[-1] + n)
@@ -222,11 +229,10 @@ class ShardDataset(Dataset):
     def locate(self, i: int) -> _Located:
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} outside 0..{len(self) - 1}")
-        shard = _bisect(self._starts, i)
+        shard = bisect.bisect_right(self._starts, i) - 1
         j = i - self._starts[shard]
-        entry = self._index[shard]
-        members = {ext: (col[j][0], col[j][1]) for ext, col in entry["members"].items() if col[j] is not None}
-        return _Located(shard, entry["keys"][j], members)
+        members = {ext: (int(col[j, 0]), int(col[j, 1])) for ext, col in self._members[shard].items() if col[j, 0] >= 0}
+        return _Located(shard, self._keys[shard][j], members)
 
     def where(self, loc: _Located) -> str:
         return f"sample '{loc.key}' of shard {self.split_dir / self.shard_names[loc.shard]}"
@@ -253,17 +259,6 @@ class ShardDataset(Dataset):
             raise DataError(f"{self.where(loc)}: label {value} outside the {self.num_classes} classes 0..{self.num_classes - 1}",
                             "the shards belong to another data set, or their labels are wrong.")
         return value
-
-
-def _bisect(starts: list[int], i: int) -> int:
-    lo, hi = 0, len(starts) - 2
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if starts[mid] <= i:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def _check_sizes(split_dir: Path) -> None:
