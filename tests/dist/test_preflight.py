@@ -14,7 +14,9 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(200)]
 
 def test_preflight_report_on_two_ranks(tmp_path: Path):
     out = tmp_path / "pre"
-    result = run_hpctrain(["doctor", "--perf", "--nproc-per-node", "2", "--out", str(out), "--max-size", "1MiB"], 120)
+    # 2 ranks on 2 shared cores: a busy CI machine can make one a real straggler; this test is about the report.
+    result = run_hpctrain(["doctor", "--perf", "--nproc-per-node", "2", "--out", str(out), "--max-size", "1MiB",
+                           "--max-straggler", "1000"], 120)
     assert result.returncode == 0, result.output
     report = json.loads((out / "preflight.json").read_text())
     assert report["world_size"] == 2 and report["backend"] == "gloo"

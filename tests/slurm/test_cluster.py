@@ -154,7 +154,8 @@ def test_doctor_runs_on_every_node_and_names_the_one_that_is_wrong(cluster):
 
 def test_preflight_runs_on_both_nodes_first_and_a_failure_stops_the_job(cluster, tmp_path):
     ok_dir, bad_dir = tmp_path / "preflight-ok", tmp_path / "preflight-bad"
-    small = "slurm.preflight_args=['--max-size', '256KiB']"
+    # 4 ranks share 2 cores here: stragglers are real (a CI run measured 1.89x), so that limit is lifted.
+    small = "slurm.preflight_args=['--max-size', '256KiB', '--max-straggler', '1000']"
     ok = submit(cluster, ok_dir, "slurm.preflight=true", small, "train.max_steps=5", cwd=tmp_path)
     bad = submit(cluster, bad_dir, "slurm.preflight=true",
                  "slurm.preflight_args=['--max-size', '64KiB', '--min-busbw', '1000000']", cwd=tmp_path)
