@@ -3,7 +3,9 @@
 Under DDP every rank holds the same model and optimizer state, so rank 0 writes
 them; each rank's RNG state is gathered to rank 0 and written with them. The
 outcome of rank 0's write is broadcast, so a failed save (full disk, I/O error)
-raises on every rank instead of leaving the others waiting at a barrier.
+raises on every rank instead of leaving the others waiting at a barrier. With
+ckpt.async_save, rank 0 writes from a CPU snapshot in a background thread and
+the outcome is broadcast at the next save (or when the loop ends).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import Any, Mapping
 from torch import nn
 
 from hpctrain.checkpoint import policy, storage
+from hpctrain.checkpoint.background import BackgroundWriter
+from hpctrain.checkpoint.snapshot import cpu_snapshot
 from hpctrain.checkpoint.storage import Checked
 from hpctrain.dist.collectives import barrier, broadcast_object, gather_objects
 from hpctrain.dist.runtime import Runtime
@@ -72,37 +76,77 @@ class Resumed:
     saved_world_size: int
 
 
+@dataclass(frozen=True)
+class SaveOutcome:
+    """What became of one save (rank 0 knows; it is broadcast so every rank acts on it)."""
+
+    step: int
+    error: str = ""
+    """'' when the checkpoint is complete on disk (or, for a background save, when its copy is taken)."""
+    is_io: bool = False
+    """The failure was an OSError (full disk, quota, permissions): the user's to fix."""
+
+
 class Checkpointer:
-    def __init__(self, run_dir: Path, experiment: str, runtime: Runtime, config_text: str, keep_last: int) -> None:
+    def __init__(
+        self, run_dir: Path, experiment: str, runtime: Runtime, config_text: str, keep_last: int,
+        async_save: bool = False,
+    ) -> None:
         self.root = run_dir / "checkpoints"
         self.experiment = experiment
         self.runtime = runtime
         self.config_text = config_text
         self.keep_last = keep_last
+        self.async_save = async_save
+        self._writer: BackgroundWriter[SaveOutcome] = BackgroundWriter()
 
-    def save(self, state: TrainState, stateful: Mapping[str, Any]) -> None:
-        """Collective: every rank calls it at the same step."""
+    def save(self, state: TrainState, stateful: Mapping[str, Any], wait: bool = False) -> None:
+        """Collective: every rank calls it at the same step. With async_save (and not ``wait``) rank 0
+        copies the state to CPU memory and writes it in the background: training pauses only for the
+        copy. A save first waits for the previous background write, and a failure of that write
+        raises here, on every rank."""
+        self.settle()
         rng = gather_objects(capture_rng(self.runtime.device), self.runtime)
-        failure: Exception | None = None
-        if self.runtime.is_main:
-            try:
-                started = time.perf_counter()
-                path = storage.write_checkpoint(self.root, state.step, self._files(state, stateful, rng), self._meta(state))
-                seconds = time.perf_counter() - started
-                self._retire_old(path)
-                size = sum(f.stat().st_size for f in path.iterdir())
-                log.info("saved checkpoint %s (%.1f MB in %.0f ms)", path, size / 1e6, seconds * 1000)
-            except Exception as err:  # any failure must reach the other ranks, not leave them waiting
-                failure = err
-        verdict = (f"{type(failure).__name__}: {failure}", isinstance(failure, OSError)) if failure else ("", False)
-        error, is_io = broadcast_object(verdict, self.runtime)
-        if not error:
+        outcome = self._save_on_main(state, stateful, rng, background=self.async_save and not wait) if self.runtime.is_main else None
+        _raise_if_failed(broadcast_object(outcome, self.runtime), self.root)
+
+    def settle(self) -> None:
+        """Collective: wait for a background write still running; its failure raises on every rank.
+        The training loop calls it before it leaves, so a finished run's checkpoint is on disk."""
+        if not self.async_save:
             return
-        message = f"saving checkpoint at step {state.step} under '{self.root}' failed: {error}"
-        if is_io:  # full disk, quota, permissions: the user's to fix
-            hint = "free disk space or fix the file system, then resume; the previous checkpoint is intact."
-            raise on_every_rank(UserError(message, hint)) from failure
-        raise on_every_rank(RuntimeError(f"{message} (the previous checkpoint is intact)")) from failure
+        outcome = self._writer.wait() if self.runtime.is_main else None
+        _raise_if_failed(broadcast_object(outcome, self.runtime), self.root)
+
+    def _save_on_main(self, state: TrainState, stateful: Mapping[str, Any], rng: list[Any], background: bool) -> SaveOutcome:
+        started = time.perf_counter()
+        try:
+            files = self._files(state, stateful, rng)
+            if not background:
+                return self._write(state.step, files, self._meta(state), started, paused_s=None)
+            # The copy is the whole pause: after it, training may change every live tensor.
+            files = cpu_snapshot(files)
+        except Exception as err:  # any failure must reach the other ranks, not leave them waiting
+            return _failed(state.step, err)
+        paused = time.perf_counter() - started
+        meta = self._meta(state)
+        self._writer.submit(lambda: self._write(state.step, files, meta, time.perf_counter(), paused_s=paused))
+        return SaveOutcome(state.step)
+
+    def _write(self, step: int, files: dict[str, Any], meta: dict[str, Any], started: float, paused_s: float | None) -> SaveOutcome:
+        try:
+            path = storage.write_checkpoint(self.root, step, files, meta)
+            seconds = time.perf_counter() - started
+            self._retire_old(path)
+            size = sum(f.stat().st_size for f in path.iterdir())
+        except Exception as err:
+            return _failed(step, err)
+        if paused_s is None:
+            log.info("saved checkpoint %s (%.1f MB in %.0f ms)", path, size / 1e6, seconds * 1000)
+        else:
+            log.info("saved checkpoint %s (%.1f MB; training paused %.0f ms for the copy, written in the background "
+                     "in %.0f ms)", path, size / 1e6, paused_s * 1000, seconds * 1000)
+        return SaveOutcome(step)
 
     def _files(self, state: TrainState, stateful: Mapping[str, Any], rng: list[Any]) -> dict[str, Any]:
         files: dict[str, Any] = {
@@ -193,6 +237,20 @@ class Checkpointer:
                 )
         barrier(self.runtime)
         return Resumed(path, state, saved_world)
+
+
+def _failed(step: int, err: Exception) -> SaveOutcome:
+    return SaveOutcome(step, f"{type(err).__name__}: {err}", isinstance(err, OSError))
+
+
+def _raise_if_failed(outcome: SaveOutcome | None, root: Path) -> None:
+    if outcome is None or not outcome.error:
+        return
+    message = f"saving checkpoint at step {outcome.step} under '{root}' failed: {outcome.error}"
+    if outcome.is_io:
+        hint = "free disk space or fix the file system, then resume; the previous checkpoint is intact."
+        raise on_every_rank(UserError(message, hint))
+    raise on_every_rank(RuntimeError(f"{message} (the previous checkpoint is intact)"))
 
 
 def _load_into(module: nn.Module, state_dict: Mapping[str, Any], path: Path) -> None:

@@ -145,6 +145,10 @@ class CkptSection:
     """Keep this many most recent checkpoints; older ones are deleted after a newer one is complete."""
     resume: str = "auto"
     """auto: continue from RUN_DIR's latest valid checkpoint if any; never: refuse a run dir with checkpoints; or a checkpoint directory path."""
+    async_save: bool = True
+    """Write periodic checkpoints in the background: training pauses only to copy the state into CPU memory
+    (one extra copy of model, optimizer and EMA state in rank 0's host memory). The last save of a run and a
+    preemption save are always waited for; a failed background write stops the run at the next save."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -104,14 +104,16 @@ def after_step(ctx: TrainContext, window: "_Window", epoch_ended: bool) -> tuple
         model = ctx.ema.module if ctx.ema is not None else ctx.raw_model
         val = evaluate(ctx.experiment, model, ctx.val_loader, ctx.runtime, ctx.precision, cfg.train.channels_last)
         ctx.metrics.log({"step": step, "split": "val", "epoch": ctx.state.epoch, **val})
+    leaving = bool(verdict.stop_signal) or step >= ctx.end_step
     scheduled = save_due(step, total, cfg.ckpt.every_steps) or step == ctx.end_step
     if scheduled or verdict.save_due or verdict.stop_signal:
         fault.heartbeat.mark("checkpoint")
-        ctx.checkpointer.save(ctx.state, ctx.stateful())
+        # The last save is waited for: a preempted or finished run exits only with its checkpoint on disk.
+        ctx.checkpointer.save(ctx.state, ctx.stateful(), wait=leaving)
         fault.last_save = time.monotonic()
     if epoch_ended or step >= ctx.end_step or verdict.stop_signal:
         report_skipped_samples(ctx, ctx.state.epoch - 1 if epoch_ended else ctx.state.epoch)
-    if verdict.stop_signal or step >= ctx.end_step:
+    if leaving:
         return val, verdict.stop_signal  # leaving: cast nothing, so no collective is left pending
     fault.vote.cast(fault.signals.received, _time_save_due(ctx))
     return val, 0

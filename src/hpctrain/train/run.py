@@ -88,7 +88,7 @@ def build_context(
         val_loader=val_loader,
         state=TrainState(),
         total_steps=total_steps,
-        checkpointer=Checkpointer(run_dir, cfg.experiment, runtime, config_text, cfg.ckpt.keep_last),
+        checkpointer=Checkpointer(run_dir, cfg.experiment, runtime, config_text, cfg.ckpt.keep_last, cfg.ckpt.async_save),
         fault=FaultState(
             signals=StopSignals(),
             vote=StepVote(runtime),
