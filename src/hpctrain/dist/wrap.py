@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpctrain.config.schema import RunConfig
@@ -20,7 +21,7 @@ def wrap_model(model: nn.Module, cfg: RunConfig, runtime: Runtime) -> nn.Module:
         model = torch.compile(model)  # type: ignore[assignment]
     if not runtime.distributed:
         return model
-    return DDP(
+    ddp = DDP(
         model,
         device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
         bucket_cap_mb=cfg.dist.bucket_cap_mb,
@@ -28,6 +29,10 @@ def wrap_model(model: nn.Module, cfg: RunConfig, runtime: Runtime) -> nn.Module:
         # Gradients are written straight into the buckets: one copy less per step.
         gradient_as_bucket_view=True,
     )
+    if cfg.dist.grad_compression != "none":
+        hook = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}
+        ddp.register_comm_hook(None, hook[cfg.dist.grad_compression])  # state None: the default process group
+    return ddp
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
