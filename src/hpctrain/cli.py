@@ -37,6 +37,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_slurm_parser(sub)
 
+    plan = sub.add_parser("plan", help="estimate step time and scaling efficiency on N nodes x G GPUs from one "
+                          "device's measured step and the bus bandwidth")
+    _add_run_args(plan)
+    plan.add_argument("--nodes", type=int, required=True, metavar="N")
+    plan.add_argument("--gpus-per-node", type=int, required=True, metavar="G", help="ranks per node")
+    plan.add_argument("--busbw", type=float, default=0.0, metavar="GB/s",
+                      help="all-reduce bus bandwidth between those ranks (nccl-tests' busbw)")
+    plan.add_argument("--preflight", default="", metavar="PATH",
+                      help="take the bandwidth from a 'hpctrain doctor --perf' report (preflight.json or its directory)")
+    plan.add_argument("--steps", type=int, default=5, help="measured steps after two warm-up steps (default 5)")
+    plan.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    plan.set_defaults(func=_plan)
+
     report = sub.add_parser("report", help="plots and a summary (Markdown + HTML) of a run dir's metrics and monitors")
     report.add_argument("run_dir", help="the run directory")
     report.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -230,6 +243,13 @@ def _config(args: argparse.Namespace) -> int:
     cls, cfg = resolve(args.experiment, args.config_file, tuple(args.overrides))
     print(describe_keys(cfg) if args.describe else config_to_toml(cfg), end="")
     return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from hpctrain.perf.plan_command import PlanRequest, plan_command
+
+    return plan_command(PlanRequest(args.experiment, args.config_file, tuple(args.overrides), args.nodes,
+                                    args.gpus_per_node, args.busbw, args.preflight, args.steps, args.json))
 
 
 def _experiments(args: argparse.Namespace) -> int:

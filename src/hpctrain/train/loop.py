@@ -76,6 +76,12 @@ def optimizer_step(ctx: TrainContext, batches: Iterator, window: "_Window") -> t
             ctx.scaler.scale(loss / accum).backward()
         loss_sum += loss.detach().float()
     hb.mark("optimizer")
+    return loss_sum / accum, apply_gradients(ctx)
+
+
+def apply_gradients(ctx: TrainContext) -> torch.Tensor | None:
+    """Clip, step, zero, schedule, average: what follows the backward passes; returns the gradient norm
+    when clipping (on device, no sync)."""
     grad_norm = None
     if ctx.cfg.train.grad_clip > 0:
         ctx.scaler.unscale_(ctx.optimizer)  # clip the true gradient, not the fp16-scaled one
@@ -86,7 +92,7 @@ def optimizer_step(ctx: TrainContext, batches: Iterator, window: "_Window") -> t
     ctx.scheduler.step()
     if ctx.ema is not None:
         ctx.ema.update_parameters(ctx.raw_model)
-    return loss_sum / accum, grad_norm
+    return grad_norm
 
 
 def after_step(ctx: TrainContext, window: "_Window", epoch_ended: bool) -> tuple[dict[str, float] | None, int]:
