@@ -192,3 +192,17 @@ def test_snapshot_keeps_views_and_shared_objects_and_owns_its_memory():
     torch.save(tree, live)
     torch.save(copy, snap)
     assert live.getvalue() == snap.getvalue()
+
+
+def test_staging_reuses_last_snapshots_buffers_with_the_new_values():
+    from hpctrain.checkpoint.snapshot import CpuStaging
+
+    staging, live = CpuStaging(), {"w": torch.arange(6.0), "b": torch.ones(3)}
+    first = staging.snapshot(live)
+    buffer = first["w"].untyped_storage().data_ptr()
+    live["w"].mul_(2)
+    second = staging.snapshot(live)
+    assert second["w"].untyped_storage().data_ptr() == buffer  # no fresh allocation
+    assert torch.equal(second["w"], torch.arange(6.0) * 2) and torch.equal(second["b"], torch.ones(3))
+    live["w"] = torch.zeros(10)  # a different size: fresh memory, not a wrong-sized buffer
+    assert torch.equal(staging.snapshot(live)["w"], torch.zeros(10))

@@ -22,7 +22,7 @@ from torch import nn
 
 from hpctrain.checkpoint import policy, storage
 from hpctrain.checkpoint.background import BackgroundWriter
-from hpctrain.checkpoint.snapshot import cpu_snapshot
+from hpctrain.checkpoint.snapshot import CpuStaging
 from hpctrain.checkpoint.storage import Checked
 from hpctrain.dist.collectives import barrier, broadcast_object, gather_objects
 from hpctrain.dist.runtime import Runtime
@@ -99,6 +99,7 @@ class Checkpointer:
         self.keep_last = keep_last
         self.async_save = async_save
         self._writer: BackgroundWriter[SaveOutcome] = BackgroundWriter()
+        self._staging = CpuStaging()
 
     def save(self, state: TrainState, stateful: Mapping[str, Any], wait: bool = False) -> None:
         """Collective: every rank calls it at the same step. With async_save (and not ``wait``) rank 0
@@ -125,7 +126,7 @@ class Checkpointer:
             if not background:
                 return self._write(state.step, files, self._meta(state), started, paused_s=None)
             # The copy is the whole pause: after it, training may change every live tensor.
-            files = cpu_snapshot(files)
+            files = self._staging.snapshot(files)
         except Exception as err:  # any failure must reach the other ranks, not leave them waiting
             return _failed(state.step, err)
         paused = time.perf_counter() - started
