@@ -72,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="--perf: fail when a rank's matrix multiply is below this")
     doctor.add_argument("--max-straggler", type=float, default=1.5, metavar="RATIO",
                         help="--perf: fail when the slowest rank needs this many times the median time (default 1.5)")
+    doctor.add_argument("--data", default="", metavar="PATH",
+                        help="--perf: also probe reading this data directory, all ranks at once (file opens/s, MB/s)")
+    doctor.add_argument("--data-size", default="256MiB", metavar="SIZE", help="--perf: bytes each rank reads of --data")
+    doctor.add_argument("--min-read-mbps", type=float, default=0.0, metavar="MB/s",
+                        help="--perf: fail when a rank reads --data slower than this")
     doctor.add_argument("--debug", action="store_true", help="show tracebacks")
     doctor.set_defaults(func=_doctor)
 
@@ -189,8 +194,9 @@ def _doctor(args: argparse.Namespace) -> int:
         setup_logging(debug=args.debug)
         if args.max_straggler < 1:
             raise UserError(f"--max-straggler {args.max_straggler} is below 1", "it is the slowest / median ratio, e.g. 1.5.")
-        thresholds = Thresholds(args.min_busbw, args.min_tflops, args.max_straggler)
-        return perf_command(PerfRequest(args.nproc_per_node, args.out, parse_size(args.max_size), thresholds))
+        thresholds = Thresholds(args.min_busbw, args.min_tflops, args.max_straggler, args.min_read_mbps)
+        return perf_command(PerfRequest(args.nproc_per_node, args.out, parse_size(args.max_size), thresholds,
+                                        args.data, parse_size(args.data_size)))
     from hpctrain.doctor import doctor_command
 
     return doctor_command(as_json=args.json)

@@ -13,10 +13,13 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(200)]
 
 
 def test_preflight_report_on_two_ranks(tmp_path: Path):
-    out = tmp_path / "pre"
+    out, data = tmp_path / "pre", tmp_path / "data"
+    data.mkdir()
+    for i in range(6):  # 6 files of 1 MiB: 3 per rank
+        (data / f"shard-{i}.tar").write_bytes(bytes([i]) * (1 << 20))
     # 2 ranks on 2 shared cores: a busy CI machine can make one a real straggler; this test is about the report.
     result = run_hpctrain(["doctor", "--perf", "--nproc-per-node", "2", "--out", str(out), "--max-size", "1MiB",
-                           "--max-straggler", "1000"], 120)
+                           "--max-straggler", "1000", "--data", str(data), "--data-size", "2MiB"], 120)
     assert result.returncode == 0, result.output
     report = json.loads((out / "preflight.json").read_text())
     assert report["world_size"] == 2 and report["backend"] == "gloo"
@@ -28,7 +31,10 @@ def test_preflight_report_on_two_ranks(tmp_path: Path):
     assert report["bandwidth"][-1]["algbw_gbps"] > report["bandwidth"][0]["algbw_gbps"], "large messages amortise latency"
     assert len(report["tflops_per_rank"]) == 2 and all(0 < t < 50 for t in report["tflops_per_rank"])
     assert len(report["ranks"]) == 2 and report["straggler"]["ratio"] >= 1.0
-    assert [c["name"] for c in report["checks"]] == ["all-reduce bandwidth", "matrix multiply", "stragglers"]
+    assert [c["name"] for c in report["checks"]] == ["all-reduce bandwidth", "matrix multiply", "stragglers", "data read"]
+    assert [d["bytes_read"] for d in report["data"]] == [2 << 20, 2 << 20]  # the limit, from each rank's own files
+    assert all(d["files"] == 6 and d["read_mbps"] > 0 and d["opens_per_s"] > 0 for d in report["data"])
+    assert "## Data read" in (out / "preflight.md").read_text()
     assert "## All-reduce" in (out / "preflight.md").read_text() and "| check | status | detail |" in result.stdout
 
 

@@ -53,3 +53,20 @@ def test_markdown_report_holds_every_table():
     assert "| stragglers | WARN | d |" in text
     assert "| 1 MiB | 900.0 | 1.165 | 1.165 |" in text
     assert "| 1 | n2 | 0.25 | 0.2000 | - | 2 |" in text
+
+
+def probe(files: int, mean: float, mbps: float) -> dict:
+    return {"files": files, "mean_file_bytes": mean, "opens_per_s": 1000.0, "read_mbps": mbps, "bytes_read": 1 << 20}
+
+
+def test_data_probe_verdicts():
+    from hpctrain.perf.preflight import judge_data
+
+    assert judge_data([], Thresholds()) == []
+    ok = judge_data([probe(10, 1 << 30, 900.0), probe(10, 1 << 30, 400.0)], Thresholds(min_read_mbps=100))
+    assert ok[0].status == "pass" and "slowest rank 1: 400 MB/s" in ok[0].detail
+    slow = judge_data([probe(10, 1 << 30, 50.0)], Thresholds(min_read_mbps=100))
+    assert slow[0].status == "fail" and "below the required 100 MB/s" in slow[0].detail
+    small = judge_data([probe(50_000, 20_000, 500.0)], Thresholds())
+    assert small[0].status == "warn" and "hpctrain shard" in small[0].detail
+    assert judge_data([probe(0, 0, 0.0)], Thresholds())[0].status == "fail"

@@ -125,3 +125,62 @@ def straggler_check(runtime: Runtime, n: int, dtype: torch.dtype, iters: int = 5
         times = out.tolist()
     slowest = max(range(len(times)), key=times.__getitem__)
     return Straggler(times, slowest, times[slowest] / statistics.median(times))
+
+
+@dataclass(frozen=True)
+class DataProbe:
+    """What one rank got from the data's file system, all ranks reading at once."""
+
+    files: int
+    """Files under the data path (all ranks' share together)."""
+    mean_file_bytes: float
+    opens_per_s: float
+    """open + fstat + close of this rank's files (the metadata cost a file-per-sample loader pays)."""
+    read_mbps: float
+    """Sequential reads in 1 MiB blocks of this rank's files, page cache dropped first (MB/s)."""
+    bytes_read: int
+
+
+def data_read_probe(runtime: Runtime, root: str, max_bytes: int, max_opens: int = 2000) -> DataProbe:
+    """Every rank reads its own files (every world_size-th) at the same time, as loaders do. Cached pages
+    are dropped with posix_fadvise first (no root needed for clean pages), so repeated probes measure the
+    file system, not memory; a file system that ignores the advice (some network ones) reads warm."""
+    import os
+    from pathlib import Path
+
+    files = sorted(p for p in Path(root).rglob("*") if p.is_file())
+    mine = files[runtime.rank::runtime.world_size]
+    total = sum(p.stat().st_size for p in files)
+    if runtime.distributed:
+        dist.barrier()
+    start = time.perf_counter()
+    for p in mine[:max_opens]:
+        fd = os.open(p, os.O_RDONLY)
+        os.fstat(fd)
+        os.close(fd)
+    opens = min(len(mine), max_opens) / max(time.perf_counter() - start, 1e-9)
+    read, start = 0, time.perf_counter()
+    for p in mine:
+        if read >= max_bytes:
+            break
+        read += _read_cold(p, max_bytes - read)
+    seconds = max(time.perf_counter() - start, 1e-9)
+    return DataProbe(len(files), total / max(len(files), 1), opens, read / seconds / 1e6, read)
+
+
+def _read_cold(path, limit: int) -> int:
+    import os
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        done = 0
+        while done < limit:
+            block = os.read(fd, min(1 << 20, limit - done))
+            if not block:
+                break
+            done += len(block)
+        return done
+    finally:
+        os.close(fd)

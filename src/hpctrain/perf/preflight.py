@@ -24,7 +24,9 @@ from hpctrain.doctor import Check
 from hpctrain.dist.collectives import broadcast_object, gather_objects
 from hpctrain.dist.env import cpus_available
 from hpctrain.dist.runtime import Runtime
-from hpctrain.perf.measure import BandwidthRow, Straggler, all_reduce_bandwidth, matmul_tflops, message_sizes, straggler_check
+from hpctrain.perf.measure import (
+    BandwidthRow, Straggler, all_reduce_bandwidth, data_read_probe, matmul_tflops, message_sizes, straggler_check,
+)
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,8 @@ class Thresholds:
     """Fail when any rank's matrix-multiply throughput is below this (0: report only)."""
     max_straggler: float = 1.5
     """Fail when the slowest rank takes this many times the median rank's time (warn above 1.2)."""
+    min_read_mbps: float = 0.0
+    """Fail when a rank reads the data path slower than this, all ranks at once (0: report only)."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,10 @@ class Settings:
     """Largest all-reduce message (1 GiB on GPUs; the CLI lowers it on CPUs)."""
     matmul_n: int = 0
     """Matrix size for the throughput and straggler tests; 0: 8192 on GPUs, 512 on CPUs."""
+    data_path: str = ""
+    """Data directory to probe (shards or files, on the file system training will read); '' skips the probe."""
+    data_bytes: int = 256 << 20
+    """Bytes each rank reads in the data probe."""
 
 
 def environment() -> dict[str, Any]:
@@ -73,7 +81,9 @@ def run_preflight(runtime: Runtime, settings: Settings, thresholds: Thresholds, 
     rows = all_reduce_bandwidth(runtime, message_sizes(settings.min_bytes, settings.max_bytes))
     tflops = gather_objects(matmul_tflops(runtime.device, n, dtype), runtime)
     straggler = straggler_check(runtime, n, dtype)
-    checks = judge(rows, tflops, straggler, thresholds, runtime.world_size)
+    data = gather_objects(asdict(data_read_probe(runtime, settings.data_path, settings.data_bytes)), runtime) \
+        if settings.data_path else []
+    checks = judge(rows, tflops, straggler, thresholds, runtime.world_size) + judge_data(data, thresholds)
     if runtime.is_main:
         report = {
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -87,6 +97,8 @@ def run_preflight(runtime: Runtime, settings: Settings, thresholds: Thresholds, 
             "bandwidth": [asdict(r) for r in rows],
             "tflops_per_rank": tflops,
             "straggler": asdict(straggler),
+            "data_path": settings.data_path,
+            "data": data,
             "ranks": envs,
         }
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -127,6 +139,25 @@ def judge(rows: list[BandwidthRow], tflops: list[float], straggler: Straggler, t
     return checks
 
 
+def judge_data(probes: list[dict[str, Any]], t: Thresholds) -> list[Check]:
+    """The data probe's verdict: the slowest rank's read rate, and a word on many small files."""
+    if not probes:
+        return []
+    worst = min(range(len(probes)), key=lambda r: probes[r]["read_mbps"])
+    p = probes[worst]
+    detail = (f"slowest rank {worst}: {p['read_mbps']:.0f} MB/s sequential, {p['opens_per_s']:.0f} file opens/s "
+              f"({p['files']} files, {_size(int(p['mean_file_bytes']))} on average)")
+    if p["files"] == 0:
+        return [Check("data read", "fail", "no files under the data path: check --data")]
+    if t.min_read_mbps and p["read_mbps"] < t.min_read_mbps:
+        return [Check("data read", "fail", f"{detail}, below the required {t.min_read_mbps:g} MB/s: stage the data "
+                      "to node-local disk, or use fewer loader workers per node")]
+    if p["files"] >= 10_000 and p["mean_file_bytes"] < (1 << 20):
+        return [Check("data read", "warn", f"{detail}: many small files cost a metadata operation each; pack them "
+                      "into shards (hpctrain shard)")]
+    return [Check("data read", "pass", detail)]
+
+
 def _size(n: int) -> str:
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:
@@ -150,6 +181,11 @@ def render_markdown(report: dict[str, Any]) -> str:
     for rank, env in enumerate(report["ranks"]):
         lines.append(f"| {rank} | {env['host']} | {report['tflops_per_rank'][rank]:.2f} | "
                      f"{report['straggler']['times_s'][rank]:.4f} | {', '.join(env['gpus']) or '-'} | {env['cpus_usable']} |")
+    if report.get("data"):
+        lines += ["", f"## Data read ({report['data_path']}, all ranks at once, page cache dropped)", "",
+                  "| rank | files | opens/s | read MB/s | bytes read |", "|---:|---:|---:|---:|---:|"]
+        lines += [f"| {rank} | {d['files']} | {d['opens_per_s']:.0f} | {d['read_mbps']:.1f} | {_size(d['bytes_read'])} |"
+                  for rank, d in enumerate(report["data"])]
     first = report["ranks"][0]
     lines += ["", f"torch {first['torch']}, CUDA {first['cuda'] or '-'}, NCCL {first['nccl'] or '-'}; "
               f"interfaces on {first['host']}: {', '.join(first['interfaces'])}", ""]
