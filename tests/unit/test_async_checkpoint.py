@@ -90,8 +90,10 @@ def test_a_later_save_waits_for_the_earlier_write(tmp_path: Path, monkeypatch):
     stateful = training_state(1)
     ckpt = Checkpointer(tmp_path, "toy", SINGLE, "", 5, async_save=True)
     started = time.perf_counter()
-    ckpt.save(TrainState(step=1), stateful)
+    state = TrainState(step=1)
+    ckpt.save(state, stateful)
     assert time.perf_counter() - started < 0.25, "the save call waited for the write"
+    state.advance(4, 100)  # the loop moves on at once: the write must still be step 1's
     ckpt.save(TrainState(step=2), stateful)  # must wait for step 1's write before starting its own
     ckpt.save(TrainState(step=3), stateful, wait=True)
     assert [s for s, _, _ in spans] == [1, 2, 3]

@@ -130,9 +130,10 @@ class Checkpointer:
         except Exception as err:  # any failure must reach the other ranks, not leave them waiting
             return _failed(state.step, err)
         paused = time.perf_counter() - started
-        meta = self._meta(state)
-        self._writer.submit(lambda: self._write(state.step, files, meta, time.perf_counter(), paused_s=paused))
-        return SaveOutcome(state.step)
+        # Bound now: the loop advances `state` while the thread runs.
+        step, meta = state.step, self._meta(state)
+        self._writer.submit(lambda: self._write(step, files, meta, time.perf_counter(), paused_s=paused))
+        return SaveOutcome(step)
 
     def _write(self, step: int, files: dict[str, Any], meta: dict[str, Any], started: float, paused_s: float | None) -> SaveOutcome:
         try:
