@@ -28,8 +28,7 @@ import torch
 
 from hpctrain.checkpoint.manager import Checkpointer
 from hpctrain.config.schema import OptimSection
-from hpctrain.dist.env import LaunchInfo
-from hpctrain.dist.runtime import Runtime
+from hpctrain.dist.runtime import single_process_runtime
 from hpctrain.experiments.ddpm.model import UNet
 from hpctrain.train.ema import build_ema
 from hpctrain.train.optim import build_optimizer, build_scheduler
@@ -69,11 +68,6 @@ def one_save(ckpt: Checkpointer, stateful: dict, at: int, device: torch.device, 
     return {"stall": stall, "write": write, "steps": statistics.mean(during)}
 
 
-def runtime(device: torch.device) -> Runtime:
-    launch = LaunchInfo("single", 0, 0, 1, 1, 0, 1, "127.0.0.1", 0, "bench", "")
-    return Runtime(**vars(launch), device=device, backend="")
-
-
 def fmt(values: list[float], scale: float = 1000.0) -> str:
     return f"{statistics.median(values) * scale:,.0f} [{min(values) * scale:,.0f}, {max(values) * scale:,.0f}]"
 
@@ -89,7 +83,7 @@ def main() -> None:
     device = torch.device(args.device)
     batch = args.batch or (128 if device.type == "cuda" else 2)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        rt, stateful = runtime(device), build(device)
+        rt, stateful = single_process_runtime(device), build(device)
         step(stateful, device, batch)  # warm-up: optimizer state exists from here
         baseline = [step(stateful, device, batch) for _ in range(args.steps_during)]
         runs: dict[str, list[dict]] = {"sync": [], "async": []}

@@ -33,7 +33,8 @@ def test_preflight_report_on_two_ranks(tmp_path: Path):
     assert len(report["ranks"]) == 2 and report["straggler"]["ratio"] >= 1.0
     assert [c["name"] for c in report["checks"]] == ["all-reduce bandwidth", "matrix multiply", "stragglers", "data read"]
     assert [d["bytes_read"] for d in report["data"]] == [2 << 20, 2 << 20]  # the limit, from each rank's own files
-    assert all(d["files"] == 6 and d["read_mbps"] > 0 and d["opens_per_s"] > 0 for d in report["data"])
+    assert [d["files"] for d in report["data"]] == [3, 3] and [d["mean_file_bytes"] for d in report["data"]] == [1 << 20] * 2
+    assert all(d["read_mbps"] > 0 and d["opens_per_s"] > 0 for d in report["data"])
     assert "## Data read" in (out / "preflight.md").read_text()
     assert "## All-reduce" in (out / "preflight.md").read_text() and "| check | status | detail |" in result.stdout
 

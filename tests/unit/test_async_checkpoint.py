@@ -18,14 +18,13 @@ from torch import nn
 from hpctrain.checkpoint import storage
 from hpctrain.checkpoint.manager import Checkpointer
 from hpctrain.config.schema import OptimSection
-from hpctrain.dist.env import LaunchInfo
-from hpctrain.dist.runtime import Runtime
+from hpctrain.dist.runtime import single_process_runtime
 from hpctrain.errors import UserError
 from hpctrain.train.ema import build_ema
 from hpctrain.train.optim import build_optimizer, build_scheduler
 from hpctrain.train.state import TrainState
 
-SINGLE = Runtime(**vars(LaunchInfo("single", 0, 0, 1, 1, 0, 1, "127.0.0.1", 0, "h", "")), device=torch.device("cpu"), backend="")
+SINGLE = single_process_runtime(torch.device("cpu"))
 
 
 def training_state(steps: int = 3) -> dict:

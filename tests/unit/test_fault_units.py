@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from hpctrain.config.schema import AlertSection
-from hpctrain.dist.env import LaunchInfo
-from hpctrain.dist.runtime import Runtime
+from hpctrain.dist.runtime import single_process_runtime
 from hpctrain.fault.alerts import Alerter, build_payload, choose_format, summary_text
 from hpctrain.fault.heartbeat import Heartbeat, Watchdog, read_heartbeats, stuck_ranks
 from hpctrain.fault.inject import build_injector, parse_faults
@@ -18,7 +17,7 @@ from hpctrain.fault.requeue import requeue_slurm_job
 from hpctrain.fault.signals import StopSignals, stop_signal_names
 from hpctrain.fault.vote import NOTHING, StepVote
 
-SINGLE = Runtime(**vars(LaunchInfo("single", 0, 0, 1, 1, 0, 1, "127.0.0.1", 0, "h", "")), device=torch.device("cpu"), backend="")
+SINGLE = single_process_runtime(torch.device("cpu"))
 
 
 def test_signal_handler_only_records():

@@ -64,7 +64,7 @@ def test_data_probe_verdicts():
 
     assert judge_data([], Thresholds()) == []
     ok = judge_data([probe(10, 1 << 30, 900.0), probe(10, 1 << 30, 400.0)], Thresholds(min_read_mbps=100))
-    assert ok[0].status == "pass" and "slowest rank 1: 400 MB/s" in ok[0].detail
+    assert ok[0].status == "pass" and "slowest rank 1: 400 MB/s" in ok[0].detail and "(20 files, 1 GiB" in ok[0].detail
     slow = judge_data([probe(10, 1 << 30, 50.0)], Thresholds(min_read_mbps=100))
     assert slow[0].status == "fail" and "below the required 100 MB/s" in slow[0].detail
     small = judge_data([probe(50_000, 20_000, 500.0)], Thresholds())

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from hpctrain.config.schema import DistSection
-from hpctrain.dist.env import LaunchInfo
+from hpctrain.dist.env import LaunchInfo, detect_launch
 from hpctrain.errors import UserError, raised_on_every_rank
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,13 @@ def init_runtime(launch: LaunchInfo, cfg: DistSection) -> Runtime:
             device_id=device if backend == "nccl" else None,
         )
     return Runtime(**dataclasses.asdict(launch), device=device, backend=backend)
+
+
+def single_process_runtime(device: torch.device | None = None) -> Runtime:
+    """One process, no process group, whatever the environment says: for tools that measure or load on
+    this machine alone (plan, benchmarks, tests). The device defaults to the one a rank 0 would bind."""
+    launch = detect_launch({})
+    return Runtime(**dataclasses.asdict(launch), device=device or choose_device(launch), backend="")
 
 
 def shutdown(runtime: Runtime, meet: bool) -> None:

@@ -10,9 +10,11 @@ rank is done, so t is the maximum over ranks of each rank's median time.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -132,8 +134,9 @@ class DataProbe:
     """What one rank got from the data's file system, all ranks reading at once."""
 
     files: int
-    """Files under the data path (all ranks' share together)."""
+    """This rank's share of the files under the data path (every world_size-th)."""
     mean_file_bytes: float
+    """Mean size of this rank's files."""
     opens_per_s: float
     """open + fstat + close of this rank's files (the metadata cost a file-per-sample loader pays)."""
     read_mbps: float
@@ -145,12 +148,9 @@ def data_read_probe(runtime: Runtime, root: str, max_bytes: int, max_opens: int 
     """Every rank reads its own files (every world_size-th) at the same time, as loaders do. Cached pages
     are dropped with posix_fadvise first (no root needed for clean pages), so repeated probes measure the
     file system, not memory; a file system that ignores the advice (some network ones) reads warm."""
-    import os
-    from pathlib import Path
-
     files = sorted(p for p in Path(root).rglob("*") if p.is_file())
     mine = files[runtime.rank::runtime.world_size]
-    total = sum(p.stat().st_size for p in files)
+    total = sum(p.stat().st_size for p in mine)  # each rank stats its own share: no rank touches every file
     if runtime.distributed:
         dist.barrier()
     start = time.perf_counter()
@@ -165,12 +165,10 @@ def data_read_probe(runtime: Runtime, root: str, max_bytes: int, max_opens: int 
             break
         read += _read_cold(p, max_bytes - read)
     seconds = max(time.perf_counter() - start, 1e-9)
-    return DataProbe(len(files), total / max(len(files), 1), opens, read / seconds / 1e6, read)
+    return DataProbe(len(mine), total / max(len(mine), 1), opens, read / seconds / 1e6, read)
 
 
-def _read_cold(path, limit: int) -> int:
-    import os
-
+def _read_cold(path: Path, limit: int) -> int:
     fd = os.open(path, os.O_RDONLY)
     try:
         if hasattr(os, "posix_fadvise"):

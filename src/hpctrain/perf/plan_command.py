@@ -18,8 +18,7 @@ import torch
 
 from hpctrain.config import plan_batches
 from hpctrain.config.schema import RunConfig
-from hpctrain.dist.env import LaunchInfo
-from hpctrain.dist.runtime import Runtime, choose_device
+from hpctrain.dist.runtime import single_process_runtime
 from hpctrain.errors import UserError
 from hpctrain.perf.plan import Layout, StepProfile, advise, estimate, nearest_row
 from hpctrain.perf.plan import __doc__ as MODEL_DOC
@@ -90,8 +89,7 @@ def measure_step(experiment, cfg: RunConfig, steps: int) -> tuple[StepProfile, t
     """Median forward, backward and optimizer times of this config's micro-batch on one device."""
     from hpctrain.train.run import build_context
 
-    launch = LaunchInfo("single", 0, 0, 1, 1, 0, 1, "127.0.0.1", 0, "plan", "")
-    runtime = Runtime(**vars(launch), device=choose_device(launch), backend="")
+    runtime = single_process_runtime()
     ctx = build_context(cfg, runtime, experiment, config_text="", write_run_dir=False)
     batches = _endless(ctx)
     # two warm-up steps: allocator, autotuning, lazy optimizer state

@@ -143,16 +143,18 @@ def judge_data(probes: list[dict[str, Any]], t: Thresholds) -> list[Check]:
     """The data probe's verdict: the slowest rank's read rate, and a word on many small files."""
     if not probes:
         return []
+    files = sum(d["files"] for d in probes)
+    if files == 0:
+        return [Check("data read", "fail", "no files under the data path: check --data")]
+    mean = sum(d["files"] * d["mean_file_bytes"] for d in probes) / files
     worst = min(range(len(probes)), key=lambda r: probes[r]["read_mbps"])
     p = probes[worst]
     detail = (f"slowest rank {worst}: {p['read_mbps']:.0f} MB/s sequential, {p['opens_per_s']:.0f} file opens/s "
-              f"({p['files']} files, {_size(int(p['mean_file_bytes']))} on average)")
-    if p["files"] == 0:
-        return [Check("data read", "fail", "no files under the data path: check --data")]
+              f"({files} files, {_size(int(mean))} on average)")
     if t.min_read_mbps and p["read_mbps"] < t.min_read_mbps:
         return [Check("data read", "fail", f"{detail}, below the required {t.min_read_mbps:g} MB/s: stage the data "
                       "to node-local disk, or use fewer loader workers per node")]
-    if p["files"] >= 10_000 and p["mean_file_bytes"] < (1 << 20):
+    if files >= 10_000 and mean < (1 << 20):
         return [Check("data read", "warn", f"{detail}: many small files cost a metadata operation each; pack them "
                       "into shards (hpctrain shard)")]
     return [Check("data read", "pass", detail)]
