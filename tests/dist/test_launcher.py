@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TESTS, read_jsonl, run_hpctrain
+from tests.conftest import TESTS, descendants, read_jsonl, run_hpctrain
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(200)]
 
@@ -26,11 +26,11 @@ def processes_mentioning(text: str) -> list[int]:
     return pids
 
 
-def start_long_run(run_dir: Path) -> subprocess.Popen:
+def start_long_run(run_dir: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(TESTS)}
     return subprocess.Popen(
         [sys.executable, "-m", "hpctrain", "train", "digits", "--nproc-per-node", "2", f"run.dir={run_dir}",
-         "train.epochs=500", "log.every_steps=1", "log.plots=false", "log.tensorboard=false"],
+         "train.epochs=500", "log.every_steps=1", "log.plots=false", "log.tensorboard=false", *extra],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
 
@@ -76,6 +76,41 @@ def test_signal_to_the_launcher_reaches_the_workers(tmp_path: Path, sig):
         assert len(list((run_dir / "checkpoints").glob("step_*"))) == 1
         left = wait_gone(run_dir, 30)
         assert not left, f"workers survived the launcher: {left}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        kill_leftovers(processes_mentioning(str(run_dir)))
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+@pytest.mark.parametrize("worker_start", ["forkserver", "spawn"])
+@pytest.mark.parametrize("sig", [signal.SIGUSR2, signal.SIGTERM])
+def test_signal_to_every_process_of_the_run_stops_it_with_a_checkpoint(tmp_path: Path, sig, worker_start):
+    """What Slurm does at the time limit, on scancel --signal and when srun passes --signal on: the signal
+    reaches every process of the step at once: torchrun, the ranks, their loader workers and (forkserver)
+    the helper process the workers are forked from. None of them may die of it before the rank has saved."""
+    run_dir = tmp_path / "run"
+    proc = start_long_run(run_dir, "data.num_workers=2", f"data.worker_start={worker_start}", "data.persistent_workers=true")
+    try:
+        wait_for_training(proc, run_dir)
+        everyone = descendants(proc.pid)  # torchrun, 2 ranks, 4 workers, helpers: not the launcher
+        # Forked from the helper, workers keep its command line: 2 helpers + 4 workers, or 4 spawned workers.
+        started = [p for p in everyone if f"multiprocessing.{worker_start}" in cmdline(p)]
+        assert len(started) == (6 if worker_start == "forkserver" else 4), [cmdline(p) for p in everyone]
+        for pid in everyone:
+            os.kill(pid, sig)
+        code = proc.wait(timeout=90)
+        output = proc.stdout.read()
+        assert code == 75, output
+        assert f"stopped by {sig.name}" in output and "exited unexpectedly" not in output
+        assert len(list((run_dir / "checkpoints").glob("step_*"))) == 1
+        assert not wait_gone(run_dir, 30)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -83,7 +83,9 @@ def test_two_node_job_completes_on_both_hosts_and_equals_a_local_run(cluster, un
 def test_preemption_signal_checkpoints_requeues_and_resumes_to_the_same_result(cluster, uninterrupted, tmp_path):
     reference = uninterrupted[0]
     run_dir = tmp_path / "preempted"
-    job_id = submit(cluster, run_dir, cwd=tmp_path)
+    # With a loader worker per rank: srun passes the signal to every process of the step, workers and the
+    # forkserver helper included, and none of them may die of it (a dead helper took the workers along).
+    job_id = submit(cluster, run_dir, "data.num_workers=1", cwd=tmp_path)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while not (metrics.exists() and any(r["step"] >= 15 for r in read_jsonl(metrics))):

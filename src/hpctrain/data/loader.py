@@ -3,11 +3,13 @@ samples, and loader settings from the machine."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import random
 import signal
 import threading
+from multiprocessing import resource_tracker
 from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
@@ -118,7 +120,9 @@ class SkipCountingLoader:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
-        it = iter(self.loader)
+        starts_workers = self.loader.num_workers > 0
+        with stop_signals_blocked() if starts_workers else contextlib.nullcontext():  # workers start in iter()
+            it = iter(self.loader)
         while True:
             try:
                 item = next(it)
@@ -147,6 +151,28 @@ def _clean_worker_error(err: DataError) -> DataError:
 
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """Block the stop signals in this thread while loader processes start, so that they start blocked.
+
+    Slurm signals every process of a step, and a loader process dies of SIGUSR1/2/HUP/TERM by default.
+    A blocked mask is inherited through fork and survives exec, so it covers what no worker_init_fn
+    can: the forkserver helper (started on the first iter(), parent of every worker, and the workers die
+    with it), and each worker's first moments before worker_init_fn runs. multiprocessing starts its
+    resource tracker the same way. Blocking, not ignoring: a signal for this rank that arrives meanwhile
+    is delivered to another thread or when the block ends, not lost. The helper stays blocked for
+    life; workers take over in guard_stop_signals."""
+    # Started first, because starting it unblocks SIGTERM and SIGINT in this thread (CPython's
+    # resource_tracker.ensure_running), which would leave the forkserver helper open to SIGTERM.
+    # Once it runs, the call is a liveness check.
+    resource_tracker.ensure_running()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {*STOP_SIGNALS, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def guard_stop_signals(_worker_id: int, rank_pid: int) -> None:
