@@ -72,6 +72,25 @@ def test_elastic_resume_on_another_world_size(tmp_path: Path, straight: Path, be
         assert got[step] == pytest.approx(want[step], rel=1e-5), step
 
 
+def test_resume_with_another_global_batch_stops_unless_told_to_restart_the_epoch(tmp_path: Path):
+    """The saved data position counts global batches of 40: with 20 it would point at other samples. So exit 2
+    before launch, nothing written; with ckpt.on_batch_change=restart_epoch the epoch starts again, said in the log."""
+    run_dir = tmp_path / "run"
+    train(run_dir, 2, "train.max_steps=24", "train.stop_at_step=6")
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    refused = train(run_dir, 2, "train.max_steps=24", "train.global_batch_size=20", expect=2)
+    assert "was saved with 40, this launch has 20" in refused.stderr and "6 steps into epoch 0" in refused.stderr
+    assert "ckpt.on_batch_change=restart_epoch" in refused.stderr and "starting 2 processes" not in refused.stderr
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+
+    resumed = train(run_dir, 2, "train.max_steps=24", "train.global_batch_size=20", "ckpt.on_batch_change=restart_epoch")
+    assert "changed from 40 to 20 (ckpt.on_batch_change=restart_epoch): epoch 0 starts again" in resumed.stderr
+    assert "resumed from" in resumed.stderr and "at step 6 (epoch 0, step 0 of it)" in resumed.stderr
+    assert sorted(train_losses(run_dir)) == list(range(1, 25))
+    final = json.loads((run_dir / "checkpoints" / "step_00000024" / "state.json").read_text())
+    assert (final["global_batch_size"], final["step_in_epoch"]) == (20, 18)
+
+
 def flip_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -199,6 +218,20 @@ def test_dead_webhook_does_not_fail_the_run(tmp_path: Path):
     done = train(tmp_path, 2, "train.max_steps=3", 'alert.events=["complete"]', env={"HPCTRAIN_ALERT_WEBHOOK": url})
     assert "alert 'complete' to webhook at 127.0.0.1 failed" in done.stderr
     assert_secret_absent(done, tmp_path)
+
+
+@pytest.mark.parametrize("source", ["file with a second line", "variable with a space"])
+def test_a_malformed_webhook_is_refused_at_start_and_never_shown(tmp_path: Path, webhook, source):
+    """Left to the requeue alert, such a URL made rank 0 raise (http.client.InvalidURL, quoting the URL) before
+    `scontrol requeue`: exit 1 instead of 75, and the URL in the log and the launcher's failure line."""
+    url, received = webhook
+    hook = tmp_path / "hook"  # outside the run dir, which must not hold the secret
+    hook.write_text(url + "\nhttps://second.example.org/x\n")
+    extra, env = ([f"alert.webhook_file={hook}"], {}) if "file" in source else ([], {"HPCTRAIN_ALERT_WEBHOOK": url + " x"})
+    refused = train(tmp_path / "run", 2, "train.max_steps=20", *extra, fault="signal:rank=1:step=2", expect=2, env=env)
+    assert ("line break" if "file" in source else "a space") in refused.stderr
+    assert "HINT:" in refused.stderr and not received
+    assert_secret_absent(refused, tmp_path / "run")
 
 
 def test_plain_single_process_stops_on_sigterm_with_a_checkpoint(tmp_path: Path):

@@ -83,7 +83,12 @@ def test_resume_policies(tmp_path: Path):
 def test_saving_the_same_step_again_replaces_it_atomically(tmp_path: Path):
     save(tmp_path, 7)
     storage.write_checkpoint(tmp_path, 7, {"model.pt": {"w": torch.zeros(1)}}, {"experiment": "digits"})
-    assert storage.check_checkpoint(tmp_path / "step_00000007").valid
+    path = tmp_path / "step_00000007"
+    checked = storage.check_checkpoint(path)
+    # Replaced, not merged or kept: the second save's content, and none of the first's files.
+    assert checked.valid and set(checked.manifest["files"]) == {"model.pt"} and not (path / "state.json").exists()
+    assert torch.equal(storage.load_file(path, "model.pt")["w"], torch.zeros(1))
+    assert (tmp_path / "latest").read_text().strip() == "step_00000007"
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 

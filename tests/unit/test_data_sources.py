@@ -24,6 +24,12 @@ def shard(*args: str) -> int:
     return main(["shard", *args])
 
 
+def leftovers(out: Path) -> list[str]:
+    """Everything in OUT. A split is written into OUT/.SPLIT.partial and renamed into place when complete, so a
+    failure in the first split must leave OUT empty: no SPLIT, no .SPLIT.partial, no .SPLIT.old."""
+    return sorted(p.name for p in out.iterdir())
+
+
 def test_cifar10_shards_hold_the_exact_pixels_and_labels(tmp_path: Path):
     fixtures.make_cifar10(tmp_path / "src", per_batch=6, test=5)
     assert shard(str(tmp_path / "src"), str(tmp_path / "out"), "--format", "cifar10", "--shard-size", "20KB") == 0
@@ -54,8 +60,7 @@ def test_cifar10_missing_or_offline_or_corrupt(tmp_path: Path, monkeypatch, caps
     (tmp_path / "src" / cifar10.FOLDER / "data_batch_3").write_bytes(b"not a pickle")
     assert shard(str(tmp_path / "src"), str(tmp_path / "out"), "--format", "cifar10") == 2
     assert "data_batch_3 is not a CIFAR-10 python batch" in capsys.readouterr().err
-    assert not (tmp_path / "out" / "train").exists() and not list((tmp_path / "out").glob(".train*")), \
-        "a failed split leaves nothing behind"
+    assert leftovers(tmp_path / "out") == [], "a failed split leaves nothing behind"
 
 
 def test_celebamask_label_maps_follow_the_release_overlap_order(tmp_path: Path):
@@ -97,7 +102,9 @@ def test_imagefolder_corrupt_file_and_existing_output(tmp_path: Path, capsys):
     src = fixtures.make_imagefolder(tmp_path / "src", classes=2, per_class=4, splits=("train", "val"))
     (src / "train" / "class_1" / "img_00002.jpg").write_bytes(b"\xff\xd8\xff\xe0 truncated")
     assert shard(str(src), str(tmp_path / "out"), "--format", "imagefolder") == 2
-    assert "cannot read image" in capsys.readouterr().err and "img_00002.jpg" not in str(list((tmp_path / "out").glob("*")))
+    err = capsys.readouterr().err
+    assert "cannot read image" in err and "img_00002.jpg" in err, "the error names the file"
+    assert leftovers(tmp_path / "out") == [], "the failed train split (the first) leaves nothing behind"
     assert shard(str(src), str(tmp_path / "out"), "--format", "imagefolder", "--on-error", "skip") == 0
     ds = ShardDataset(tmp_path / "out" / "train", ["jpg", "cls", "json"], num_classes=2)
     assert len(ds) == 7 and ds[0][2]["class"] == "class_0"

@@ -1,8 +1,10 @@
+import http.client
 import json
 import os
 import signal
 import stat
 import time
+import urllib.error
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,8 @@ import torch
 
 from hpctrain.config.schema import AlertSection
 from hpctrain.dist.runtime import single_process_runtime
-from hpctrain.fault.alerts import Alerter, build_payload, choose_format, summary_text
+from hpctrain.errors import UserError
+from hpctrain.fault.alerts import Alerter, build_payload, choose_format, resolve_webhook, summary_text, webhook_host
 from hpctrain.fault.heartbeat import Heartbeat, Watchdog, read_heartbeats, stuck_ranks
 from hpctrain.fault.inject import build_injector, parse_faults
 from hpctrain.fault.requeue import requeue_slurm_job
@@ -108,6 +111,87 @@ def test_dead_webhook_never_raises_and_never_logs_the_url(caplog):
     assert bad.send("failure", last_step=1) is False and "notaurl-secret" not in caplog.text
     assert Alerter("", AlertSection(), "r", "d", "", 0).send("failure", last_step=1) is False
     assert not Alerter("http://x", AlertSection(), "r", "d", "", 0).enabled("complete")  # not in default events
+
+
+# Webhook URLs a typo or a pasted file can produce; each must fail quietly, naming at most the host.
+MALFORMED = ["http://127.0.0.1:9/hooks/secret-token\nfoo", "http://127.0.0.1:9/hooks/secret-token\r\n# note",
+             "http://127.0.0.1:9/hooks/secret token", "http://127.0.0.1:9/hooks/secret-token\t",
+             "http://127.0.0.1:9/\x7fsecret-token", "http://h\x00st/secret-token", "http://127.0.0.1:9/sécret-token",
+             "http://[::1/secret-token", "http://127.0.0.1:99999/secret-token", "file:///secret-token",
+             "http:///secret-token", "secret-token"]
+
+
+@pytest.mark.parametrize("url", MALFORMED)
+def test_a_malformed_webhook_never_raises_and_never_leaks(url, caplog):
+    assert Alerter(url, AlertSection(timeout_s=1), "r", "d", "", 0).send("requeue", last_step=4) is False
+    assert "alert 'requeue' to webhook at" in caplog.text and "failed" in caplog.text
+    assert "secret" not in caplog.text and webhook_host(url) in ("127.0.0.1", "?")
+
+
+def _raising(err: BaseException):
+    def urlopen(*_a, **_k):
+        raise err
+    return urlopen
+
+
+URL = "http://127.0.0.1:9/hooks/secret-token?key=secret-token"
+
+
+@pytest.mark.parametrize("err, said", [
+    (http.client.InvalidURL(f"URL can't contain control characters. '{URL}'"), "InvalidURL"),
+    (http.client.IncompleteRead(URL.encode()), "IncompleteRead"),
+    (UnicodeEncodeError("ascii", URL, 0, 1, "ordinal not in range"), "UnicodeEncodeError"),
+    (urllib.error.URLError(f"unknown url type: {URL}"), "URLError"),
+    (urllib.error.HTTPError(URL, 502, f"Bad Gateway {URL}", {}, None), "HTTP 502"),
+    (ConnectionRefusedError(111, "Connection refused"), "ConnectionRefusedError: Connection refused"),
+    (OSError(f"Tunnel connection failed: {URL}"), "OSError"),
+    (RuntimeError(URL), "RuntimeError"),
+])
+def test_any_send_failure_is_reported_by_type_and_host_only(err, said, monkeypatch, caplog):
+    monkeypatch.setattr("urllib.request.urlopen", _raising(err))
+    assert Alerter(URL, AlertSection(), "r", "d", "", 0).send("hang", last_step=1) is False
+    assert f"alert 'hang' to webhook at 127.0.0.1 failed: {said} (training" in caplog.text
+    assert "secret" not in caplog.text and "hooks" not in caplog.text
+
+
+def test_keyboard_interrupt_still_interrupts_a_send(monkeypatch):
+    monkeypatch.setattr("urllib.request.urlopen", _raising(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        Alerter(URL, AlertSection(), "r", "d", "", 0).send("hang", last_step=1)
+
+
+@pytest.mark.parametrize("url", ["http://[::1/secret-token", "http://[secret-token]/", "", "::", "http://a b/x",
+                                 "http://user:secret-token@[::1]:80/"])
+def test_webhook_host_never_raises_and_shows_only_a_host(url):
+    assert "secret" not in webhook_host(url) and " " not in webhook_host(url)
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("http://127.0.0.1:9/hooks/secret-token\nsecond line\n", "line break"),
+    ("http://127.0.0.1:9/hooks/secret token\n", "space or a control character"),
+    ("127.0.0.1:9/hooks/secret-token", "does not start with https:// or http://"),
+])
+def test_a_malformed_webhook_is_refused_up_front_without_quoting_it(text, problem, tmp_path, monkeypatch):
+    path = tmp_path / "hook"
+    path.write_text(text)
+    monkeypatch.delenv("HPCTRAIN_ALERT_WEBHOOK", raising=False)
+    with pytest.raises(UserError) as err:
+        resolve_webhook(AlertSection(webhook_file=str(path)))
+    said = f"{err.value}\n{err.value.hint}"
+    assert problem in said and f"alert.webhook_file '{path}'" in said and "URL alone" in said
+    assert "secret" not in said and "hooks" not in said
+
+    monkeypatch.setenv("HPCTRAIN_ALERT_WEBHOOK", f"  {text}  ")  # the environment takes precedence
+    with pytest.raises(UserError) as err:
+        resolve_webhook(AlertSection(webhook_file=str(path)))
+    said = f"{err.value}\n{err.value.hint}"
+    assert problem in said and "HPCTRAIN_ALERT_WEBHOOK" in said and "secret" not in said
+
+
+def test_a_webhook_file_may_end_with_a_newline(tmp_path, monkeypatch):
+    monkeypatch.delenv("HPCTRAIN_ALERT_WEBHOOK", raising=False)
+    (tmp_path / "hook").write_text("https://hooks.example.org/secret-token\n")
+    assert resolve_webhook(AlertSection(webhook_file=str(tmp_path / "hook"))) == "https://hooks.example.org/secret-token"
 
 
 def fake_scontrol(tmp_path: Path, code: int) -> Path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 
 import pytest
 
@@ -79,6 +80,77 @@ def test_partition_capacity_from_sinfo():
     assert ("error", "slurm.cpus_per_task") in findings("slurm.cpus_per_task=128", facts=facts)[0]
 
 
+def partition(*nodes: tuple[int, int, int]) -> Facts:
+    """A fake sinfo: (cpus, gpus, count) per node type."""
+    return Facts(run_dir_fs="nfs", existing=frozenset({"/usr/bin/python3"}),
+                 nodes=tuple(NodeFacts(cpus=c, gpus=g, memory_mb=100_000, count=n) for c, g, n in nodes))
+
+
+def proposals(hint: str) -> list[list[str]]:
+    """The alternatives a hint offers ('A or B with C'), each as the overrides it names."""
+    found = [re.findall(r"\b((?:slurm|data|ckpt)\.[a-z_]+=-?\d+(?:\.\d+)?)", part) for part in hint.split(" or ")]
+    return [overrides for overrides in found if overrides]
+
+
+# (overrides, fake partition or None for no sinfo, the finding whose hint is followed)
+HINTED = [
+    # 2-CPU nodes, 2 processes per node: the hint used to be cpus_per_task=16, which the same check refused.
+    (["slurm.gpus=false", "slurm.gpus_per_node=2", "slurm.cpus_per_task=1"], [(2, 0, 4)], ("error", "slurm.cpus_per_task")),
+    (["slurm.gpus=false", "slurm.gpus_per_node=2"], [(2, 0, 4)], ("error", "slurm.cpus_per_task")),
+    (["slurm.gpus=false", "slurm.gpus_per_node=2", "slurm.cpus_per_task=1", "data.num_workers=3"], [(2, 0, 4)],
+     ("error", "slurm.cpus_per_task")),
+    (["slurm.gpus=false", "slurm.gpus_per_node=4", "slurm.cpus_per_task=1"], [(2, 0, 4)], ("error", "slurm.cpus_per_task")),
+    (["slurm.gpus=false", "slurm.gpus_per_node=2", "slurm.cpus_per_task=2", "data.num_workers=2"], [(2, 0, 4)],
+     ("warning", "data.num_workers")),
+    (["slurm.gpus_per_node=4", "slurm.cpus_per_task=8", "data.num_workers=4"], [(16, 4, 2)], ("warning", "data.num_workers")),
+    (["slurm.gpus_per_node=4", "slurm.cpus_per_task=8", "data.num_workers=4"], [(64, 4, 2)], ("warning", "data.num_workers")),
+    (["slurm.gpus_per_node=4", "slurm.cpus_per_task=2"], [(64, 4, 2)], ("error", "slurm.cpus_per_task")),
+    (["slurm.gpus_per_node=4", "slurm.cpus_per_task=128"], [(64, 4, 2)], ("error", "slurm.cpus_per_task")),
+    (["slurm.gpus_per_node=8"], [(64, 4, 2)], ("error", "slurm.gpus_per_node")),
+    # Nodes with the GPUs have fewer CPUs than those without: the CPUs that slurm.nodes GPU nodes all have.
+    (["slurm.nodes=2", "slurm.gpus_per_node=4", "slurm.cpus_per_task=64"], [(128, 0, 8), (48, 4, 1), (32, 4, 3)],
+     ("error", "slurm.nodes")),
+    (["slurm.nodes=4", "slurm.gpus_per_node=4"], [(64, 4, 2)], ("error", "slurm.nodes")),
+    # No sinfo here: the advice stays the default share.
+    (["slurm.gpus_per_node=4", "slurm.cpus_per_task=2"], None, ("error", "slurm.cpus_per_task")),
+    (["slurm.gpus_per_node=4", "slurm.cpus_per_task=8", "data.num_workers=4"], None, ("warning", "data.num_workers")),
+    (["slurm.time=2", "slurm.signal_lead_s=300"], None, ("error", "slurm.signal_lead_s")),
+    (["slurm.time=3", "slurm.signal_lead_s=20"], None, ("warning", "slurm.signal_lead_s")),
+    (["slurm.time=0:30", "ckpt.every_minutes=60", "ckpt.every_steps=0"], None, ("warning", "ckpt.every_minutes")),
+]
+
+
+@pytest.mark.parametrize("overrides, nodes, finding", HINTED)
+def test_every_number_a_hint_proposes_passes_the_same_check(overrides, nodes, finding):
+    facts = partition(*nodes) if nodes else None
+    keys, found = findings("ckpt.every_minutes=30", *overrides, facts=facts)
+    assert finding in keys, found
+    hint = next(f.hint for f in found if (f.level, f.key) == finding)
+    offered = proposals(hint)
+    assert offered, hint
+    for proposal in offered:
+        after = findings("ckpt.every_minutes=30", *overrides, *proposal, facts=facts)[0]
+        assert ("error", finding[1]) not in after, (hint, proposal, after)
+        if nodes:  # nothing the hint leads to is refused by the partition
+            assert not {k for k in after if k[0] == "error" and k[1] in PARTITION_KEYS}, (hint, proposal, after)
+        if finding[0] == "warning":
+            assert finding not in after, (hint, proposal, after)
+
+
+PARTITION_KEYS = {"slurm.cpus_per_task", "slurm.gpus_per_node", "slurm.nodes"}
+
+
+def test_hints_fit_the_partition():
+    """The case from the issue, spelled out: 2-CPU nodes, 2 processes each."""
+    _, found = findings("slurm.gpus=false", "slurm.gpus_per_node=2", "slurm.cpus_per_task=1", facts=partition((2, 0, 4)))
+    hint = next(f.hint for f in found if f.key == "slurm.cpus_per_task")
+    assert "slurm.cpus_per_task=2" in hint and "=16" not in hint
+    _, found = findings("slurm.gpus=false", "slurm.gpus_per_node=2", "slurm.cpus_per_task=2", "data.num_workers=2",
+                        facts=partition((2, 0, 4)))
+    hint = next(f.hint for f in found if f.key == "data.num_workers")
+    assert "data.num_workers=0" in hint and "slurm.cpus_per_task" not in hint  # no CPU count fits 6 busy processes
+
+
 @pytest.mark.parametrize("gres,gpus", [("gpu:a100:4(S:0-1)", 4), ("gpu:2,shard:8", 2), ("(null)", 0),
                                        ("gpu:v100:2,gpu:t4:1", 3)])
 def test_gres_gpus(gres, gpus):
@@ -99,6 +171,18 @@ def test_time_limits(text, seconds):
 def test_bad_slurm_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         cfg(override)
+
+
+@pytest.mark.parametrize("item", ["HPCTRAIN_ALERT_WEBHOOK=https://hooks.example.org/secret-token",
+                                  "HPCTRAIN_ALERT_WEBHOOK =https://hooks.example.org/secret-token",
+                                  "HPCTRAIN_ALERT_WEBHOOK https://hooks.example.org/secret-token"])
+def test_the_alert_webhook_is_refused_in_slurm_env_without_echoing_it(item):
+    """slurm.env goes into config.toml, every checkpoint and the job script: no place for a credential."""
+    with pytest.raises(ConfigError, match=r"slurm\.env.*HPCTRAIN_ALERT_WEBHOOK") as err:
+        cfg(f"slurm.env=['{item}']")
+    said = f"{err.value}\n{err.value.hint}"
+    assert "alert.webhook_file" in said and "chmod 600" in said and "--export" in said
+    assert "secret-token" not in said and "hooks.example.org" not in said
 
 
 def test_newlines_cannot_reach_the_script():

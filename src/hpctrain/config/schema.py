@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, Literal
 
+from hpctrain.dist.env import ALERT_WEBHOOK
 from hpctrain.errors import UserError
 
 
@@ -406,6 +407,13 @@ def _validate_slurm(s: "SlurmSection") -> None:
     _require("/" not in s.job_name, "slurm.job_name", "must not contain '/' (it names the log file, %x_%j.out)")
     for item in s.env:
         name, eq, _ = item.partition("=")
+        # A secret here would be written to config.toml, every checkpoint and the job script. Never echo it.
+        _require(not re.match(rf"\s*{ALERT_WEBHOOK}\b", item), "slurm.env",  # also without '=': never echoed below
+                 f"must not hold {ALERT_WEBHOOK}: the webhook URL is a credential, and slurm.env is written "
+                 "into config.toml, every checkpoint and the job script",
+                 "remove it from slurm.env and put the URL alone into a file only you can read (chmod 600), named by "
+                 "alert.webhook_file; exporting it in the submitting shell is not enough where sbatch does not "
+                 "pass the environment on (--export)")
         _require(bool(eq) and bool(_ENV_NAME.match(name)), "slurm.env",
                  f"{item!r} is not NAME=value (NAME: letters, digits, underscore)")
     for item in s.extra_sbatch:

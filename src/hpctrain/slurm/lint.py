@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from hpctrain.config.batch import plan_batches
-from hpctrain.config.schema import RunConfig
+from hpctrain.config.schema import RunConfig, SlurmSection
 from hpctrain.dist.env import module_system_present
 from hpctrain.errors import UserError
 from hpctrain.slurm.render import JobSpec, cpus_per_task
@@ -79,18 +79,51 @@ def _batch(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
 
 def _cpus(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
     s, procs = cfg.slurm, cfg.slurm.gpus_per_node
-    cpus = cpus_per_task(s)
+    cpus, most = cpus_per_task(s), node_cpus(s, facts)
     if cpus < procs:
         return [Finding("error", "slurm.cpus_per_task", f"{cpus} CPUs for {procs} processes per node",
-                        f"give every process at least one CPU and its loader workers more: slurm.cpus_per_task={procs * 8}")]
+                        _more_cpus_hint(procs, cfg.data.num_workers, most, _where(s)))]
     workers = cfg.data.num_workers
     if workers > 0 and procs * (workers + 1) > cpus:
         return [Finding("warning", "data.num_workers",
                         f"{procs} processes x ({workers} workers + 1) = {procs * (workers + 1)} busy processes on "
                         f"{cpus} CPUs per node; they will share CPUs and the loader may starve the GPUs",
-                        f"set slurm.cpus_per_task={procs * (workers + 1)} or data.num_workers={max(0, cpus // procs - 1)} "
-                        "(or -1: chosen from the CPUs the job gets)")]
+                        _fewer_workers_hint(procs, workers, cpus, most, _where(s)))]
     return []
+
+
+def _more_cpus_hint(procs: int, workers: int, most: int, where: str) -> str:
+    """Too few CPUs for the processes: a cpus_per_task the partition's nodes can hold (``most``, 0: unknown)."""
+    if not most:  # no sinfo here: the default share, 8 CPUs per process
+        return f"give every process at least one CPU and its loader workers more: slurm.cpus_per_task={procs * 8}"
+    if most < procs:  # no cpus_per_task fits: fewer processes per node
+        return (f"nodes of {where} have {most} CPUs, fewer than {procs} processes: run at most {most} per node, "
+                f"slurm.gpus_per_node={most} and slurm.cpus_per_task={most}, with more slurm.nodes to keep the "
+                "number of processes")
+    if most >= procs * 8:
+        return f"give every process at least one CPU and its loader workers more: slurm.cpus_per_task={procs * 8}"
+    return (f"give the processes all {most} CPUs that nodes of {where} have: slurm.cpus_per_task={most}"
+            + _workers_that_fit(procs, workers, most))
+
+
+def _fewer_workers_hint(procs: int, workers: int, cpus: int, most: int, where: str) -> str:
+    """Loader workers beyond the CPUs: more CPUs only where the nodes have them, else fewer workers."""
+    need, auto = procs * (workers + 1), "(or -1: chosen from the CPUs the job gets)"
+    fit = f"data.num_workers={max(0, min(cpus, most or cpus) // procs - 1)}"
+    if not most or need <= most:
+        return f"set slurm.cpus_per_task={need} or {fit} {auto}"
+    if cpus < most:  # more CPUs help, but not enough for all these workers
+        return (f"nodes of {where} have {most} CPUs, too few for {need} busy processes: set {fit}, or "
+                f"slurm.cpus_per_task={most}"
+                f"{_workers_that_fit(procs, workers, most)} {auto}")
+    return f"nodes of {where} have {most} CPUs, too few for {need} busy processes: set {fit} {auto}"
+
+
+def _workers_that_fit(procs: int, workers: int, cpus: int) -> str:
+    """' with data.num_workers=N' when the configured workers would not fit ``cpus``; '' otherwise."""
+    if workers > 0 and procs * (workers + 1) > cpus:
+        return f" with data.num_workers={max(0, cpus // procs - 1)}"
+    return ""
 
 
 def _time(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
@@ -100,23 +133,34 @@ def _time(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
     if limit is not None and warned and s.signal_lead_s >= limit:
         out.append(Finding("error", "slurm.signal_lead_s",
                            f"the warning comes {s.signal_lead_s} s before the end of a {format_duration(limit)} job, "
-                           "that is before it starts", "use a lead time well below slurm.time, e.g. 120"))
+                           "that is before it starts",
+                           f"use a lead time well below slurm.time: slurm.signal_lead_s={_lead_for(limit)}"))
     elif warned and s.signal_lead_s < 60:
         out.append(Finding("warning", "slurm.signal_lead_s",
                            f"{s.signal_lead_s} s between the warning and the kill; Slurm may send it up to 60 s late",
-                           "give the checkpoint time to finish: slurm.signal_lead_s=120 or more"))
+                           f"give the checkpoint time to finish: slurm.signal_lead_s={_lead_for(limit)}"))
     if not warned:
         out.append(Finding("warning", "fault.warning_signal",
                            "no warning signal before the time limit: the work since the last checkpoint is lost",
-                           "keep fault.warning_signal=SIGUSR2 and slurm.signal_lead_s>0 (default 120)"))
+                           f"keep fault.warning_signal=SIGUSR2 and slurm.signal_lead_s={_lead_for(limit)}"))
     every = cfg.ckpt.every_minutes * 60
     if limit is not None and (every == 0 or every >= limit) and cfg.ckpt.every_steps == 0:
         out.append(Finding("warning", "ckpt.every_minutes",
                            f"no periodic checkpoint within the {format_duration(limit)} time limit: a crash or node "
                            "failure loses the whole allocation",
-                           f"save at least every {max(1, limit // 240)} minutes (ckpt.every_minutes) or every N steps "
-                           "(ckpt.every_steps)"))
+                           f"save at least every {_quarter_minutes(limit)} minutes: "
+                           f"ckpt.every_minutes={_quarter_minutes(limit)}, or every N steps (ckpt.every_steps)"))
     return out
+
+
+def _lead_for(limit: int | None) -> int:
+    """A warning lead the time limit leaves room for: 120 s, at most half the job."""
+    return 120 if limit is None else max(1, min(120, limit // 2))
+
+
+def _quarter_minutes(limit: int) -> float:
+    """A quarter of the time limit in minutes (whole minutes from 4 minutes up): below the limit, > 0."""
+    return limit // 240 if limit >= 240 else round(limit / 240, 2) or 0.01
 
 
 def _run_dir(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
@@ -160,23 +204,55 @@ def _partition(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
     s = cfg.slurm
     if not facts.nodes:
         return []
-    cpus, out = cpus_per_task(s), []
-    fitting = [n for n in facts.nodes if n.cpus >= cpus and (not s.gpus or n.gpus >= s.gpus_per_node)]
-    where = f"partition {s.partition}" if s.partition else "the default partition"
-    if s.gpus and max(n.gpus for n in facts.nodes) < s.gpus_per_node:
+    cpus, out, where = cpus_per_task(s), [], _where(s)
+    most_gpus = max(n.gpus for n in facts.nodes)
+    if s.gpus and most_gpus < s.gpus_per_node:
+        fix = (f"use slurm.gpus_per_node={most_gpus} with more slurm.nodes" if most_gpus
+               else "set slurm.gpus=false (CPU-only nodes, gloo)")
         out.append(Finding("error", "slurm.gpus_per_node",
-                           f"{s.gpus_per_node} GPUs per node requested; nodes of {where} have at most "
-                           f"{max(n.gpus for n in facts.nodes)}",
-                           "lower slurm.gpus_per_node and raise slurm.nodes, or pick another partition"))
+                           f"{s.gpus_per_node} GPUs per node requested; nodes of {where} have at most {most_gpus}",
+                           f"{fix}, or pick another partition"))
     if max(n.cpus for n in facts.nodes) < cpus:
         out.append(Finding("error", "slurm.cpus_per_task",
                            f"{cpus} CPUs per node requested; nodes of {where} have at most {max(n.cpus for n in facts.nodes)}",
-                           "lower slurm.cpus_per_task"))
-    elif sum(n.count for n in fitting) < s.nodes:
-        out.append(Finding("error", "slurm.nodes",
-                           f"{s.nodes} nodes requested; {where} has {sum(n.count for n in fitting)} that fit the request",
-                           "lower slurm.nodes or the per-node request"))
+                           _fewer_cpus_hint(s.gpus_per_node, cfg.data.num_workers, node_cpus(s, facts), where)))
+    elif (have := sum(n.count for n in _usable_nodes(s, facts) if n.cpus >= cpus)) < s.nodes:
+        out.append(Finding("error", "slurm.nodes", f"{s.nodes} nodes requested; {where} has {have} that fit the request",
+                           _fewer_nodes_hint(s, facts, have, node_cpus(s, facts))))
     return out
+
+
+def _fewer_cpus_hint(procs: int, workers: int, most: int, where: str) -> str:
+    if most < procs:
+        return _more_cpus_hint(procs, workers, most, where)
+    return f"ask for what nodes of {where} have: slurm.cpus_per_task={most}{_workers_that_fit(procs, workers, most)}"
+
+
+def _fewer_nodes_hint(s: SlurmSection, facts: Facts, have: int, most: int) -> str:
+    """Fewer nodes, or fewer CPUs per node where that lets enough nodes fit."""
+    options = [f"use slurm.nodes={have}"] if have else []
+    enough = sum(n.count for n in _usable_nodes(s, facts) if n.cpus >= most) >= s.nodes
+    if enough and s.gpus_per_node <= most < cpus_per_task(s):
+        options.append(f"ask for the CPUs that {s.nodes} of its nodes all have: slurm.cpus_per_task={most}")
+    return " or ".join(options) or "lower the per-node request (GPUs, CPUs), or pick another partition"
+
+
+def _where(s: SlurmSection) -> str:
+    return f"partition {s.partition}" if s.partition else "the default partition"
+
+
+def _usable_nodes(s: SlurmSection, facts: Facts) -> list[NodeFacts]:
+    """Node types with the GPUs the job asks for (all of them without GPUs)."""
+    return [n for n in facts.nodes if not s.gpus or n.gpus >= s.gpus_per_node]
+
+
+def node_cpus(s: SlurmSection, facts: Facts) -> int:
+    """The most CPUs per node that slurm.nodes nodes of the partition all have, among those with the GPUs asked
+    for: what a hint may propose for slurm.cpus_per_task. Too few such nodes: the most any has (slurm.nodes is
+    then the finding). 0: the partition is unknown (no sinfo here)."""
+    usable = _usable_nodes(s, facts) or list(facts.nodes)
+    enough = [c for c in {n.cpus for n in usable} if sum(n.count for n in usable if n.cpus >= c) >= s.nodes]
+    return max(enough or [n.cpus for n in usable], default=0)
 
 
 # --- facts of this machine ---
