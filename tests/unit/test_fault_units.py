@@ -14,7 +14,7 @@ from hpctrain.config.schema import AlertSection
 from hpctrain.dist.runtime import single_process_runtime
 from hpctrain.errors import UserError
 from hpctrain.fault.alerts import Alerter, build_payload, choose_format, resolve_webhook, summary_text, webhook_host
-from hpctrain.fault.heartbeat import Heartbeat, Watchdog, read_heartbeats, stuck_ranks
+from hpctrain.fault.heartbeat import Heartbeat, Limits, Watchdog, read_heartbeats, stuck_ranks
 from hpctrain.fault.inject import build_injector, parse_faults
 from hpctrain.fault.requeue import requeue_slurm_job
 from hpctrain.fault.signals import StopSignals, stop_signal_names
@@ -86,7 +86,7 @@ def test_stuck_ranks_oldest_first_and_done_ranks_are_not_stuck():
         {"rank": 1, "since": 90.0, "phase": "forward", "step": 5, "host": "b", "pid": 2},
         {"rank": 2, "since": 10.0, "phase": "done", "step": 9, "host": "c", "pid": 3},
     ]
-    assert [b["rank"] for b in stuck_ranks(beats, now=200.0, hang_timeout_s=50)] == [1, 0]
+    assert [b["rank"] for b in stuck_ranks(beats, now=200.0, limits=Limits(50, 0, 10))] == [1, 0]
 
 
 def test_payload_shapes():

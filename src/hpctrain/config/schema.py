@@ -181,6 +181,10 @@ class FaultSection:
     hang_timeout_s: float = 300.0
     """A rank with no progress for this long is reported as stuck (phase, step, host, Python stack); 0 disables.
     Keep it below dist.timeout_s so the report comes before the collective timeout ends the job."""
+    slow_phase_timeout_s: float = 1800.0
+    """The same limit for phases that are slow without a hang: a checkpoint save, and the first time a process
+    enters a phase (torch.compile in the first forward, NCCL set-up and autotuning in the first step, loader
+    workers starting, a recompile in the first validation batch). Below hang_timeout_s: hang_timeout_s applies."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -374,6 +378,7 @@ def validate(cfg: RunConfig) -> None:
         f.hang_timeout_s == 0 or f.hang_timeout_s > f.heartbeat_every_s,
         "fault.hang_timeout_s", "must be longer than fault.heartbeat_every_s, or the watchdog cannot see progress",
     )
+    _require(f.slow_phase_timeout_s >= 0, "fault.slow_phase_timeout_s", "must be >= 0")
     bad = sorted(set(cfg.alert.events) - ALERT_EVENTS)
     _require(not bad, "alert.events", f"unknown event(s) {bad}; choose from {sorted(ALERT_EVENTS)}")
     _require(cfg.alert.timeout_s > 0, "alert.timeout_s", "must be positive")

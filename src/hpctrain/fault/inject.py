@@ -2,7 +2,9 @@
 
 Actions, fired once when rank R enters phase P (default 'forward') of step S
 (steps counted as optimizer steps done, so step=S fires inside step S+1):
-  hang    sleep N seconds (default 3600) - a stuck rank
+  hang    sleep N seconds (default 3600) - a stuck rank (alive: its other threads run)
+  slow    sleep N seconds at EVERY mark of phase P in step S - a long phase that progresses (validation batches)
+  freeze  sleep N seconds holding the interpreter lock - a frozen rank (no thread of it runs Python)
   crash   raise RuntimeError - an exception in one rank
   kill    SIGKILL itself - a rank that dies without a word
   signal  send itself a signal (default SIGTERM) - a preemption that reaches one rank
@@ -11,13 +13,14 @@ Several specs are separated by ';'. Not for production use; tests only.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import time
 from dataclasses import dataclass
 from typing import Callable
 
-ACTIONS = ("hang", "crash", "kill", "signal")
+ACTIONS = ("hang", "slow", "freeze", "crash", "kill", "signal")
 
 
 @dataclass(frozen=True)
@@ -53,15 +56,20 @@ def build_injector(spec: str, rank: int) -> Callable[[str, int], None] | None:
     def inject(phase: str, step: int) -> None:
         for fault in mine:
             if fault not in fired and fault.step == step and fault.phase == phase:
-                fired.add(fault)
+                if fault.action != "slow":
+                    fired.add(fault)
                 _fire(fault)
 
     return inject
 
 
 def _fire(fault: Fault) -> None:
-    if fault.action == "hang":
+    if fault.action in ("hang", "slow"):
         time.sleep(fault.seconds)
+    elif fault.action == "freeze":
+        # libc's sleep called through PyDLL keeps the GIL: the watchdog thread cannot beat, as in a C call
+        # that never returns or a process stopped with its lock held.
+        ctypes.PyDLL(None).sleep(int(fault.seconds))
     elif fault.action == "crash":
         raise RuntimeError(f"injected crash on rank {fault.rank} at step {fault.step} ({fault.phase})")
     elif fault.action == "kill":

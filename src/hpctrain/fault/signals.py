@@ -7,6 +7,7 @@ collective, a CUDA call or a half-written file, and the other ranks would not kn
 from __future__ import annotations
 
 import signal
+import time
 from types import FrameType
 
 
@@ -15,10 +16,13 @@ class StopSignals:
 
     def __init__(self) -> None:
         self.received = 0
+        self.received_at = 0.0
+        """time.monotonic() of the first stop signal: how long the stop took is said in the log."""
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
         self.received = signum
+        self.received_at = self.received_at or time.monotonic()
 
     def install(self, names: list[str]) -> "StopSignals":
         for name in names:

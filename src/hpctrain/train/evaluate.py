@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from typing import Iterable
+from typing import Callable, Iterable
 
 from hpctrain.dist.collectives import all_reduce_sums, gather_objects
 from hpctrain.dist.runtime import Runtime
@@ -21,12 +21,16 @@ def evaluate(
     runtime: Runtime,
     precision: Precision,
     channels_last: bool = False,
+    on_batch: Callable[[], None] | None = None,
 ) -> dict[str, float]:
-    """Collective. ``model`` is the plain module (not DDP): ranks may hold different numbers of batches."""
+    """Collective. ``model`` is the plain module (not DDP): ranks may hold different numbers of batches.
+    ``on_batch`` is called before each batch: the loop's heartbeat, so a long validation is progress, not a hang."""
     was_training = model.training
     model.eval()
     totals: dict[str, torch.Tensor] = {}
     for batch in loader or ():
+        if on_batch is not None:
+            on_batch()
         batch = to_device(batch, runtime.device, channels_last)
         with precision.autocast():
             stats = experiment.eval_stats(model, batch)

@@ -100,29 +100,47 @@ def after_step(ctx: TrainContext, window: "_Window", epoch_ended: bool) -> tuple
     step, total, cfg, fault = ctx.state.step, ctx.total_steps, ctx.cfg, ctx.fault
     fault.heartbeat.mark("sync", step)
     verdict = fault.vote.collect()  # cast one boundary ago: the same verdict on every rank
-    if step % cfg.log.every_steps == 0 or step in (total, ctx.end_step) or verdict.stop_signal:
+    if verdict.stop_signal:
+        return None, stop_with_checkpoint(ctx, window, verdict.stop_signal, eval_due(ctx, epoch_ended))
+    if step % cfg.log.every_steps == 0 or step in (total, ctx.end_step):
         log_train(ctx, window)
     val = None
-    every = cfg.eval.every_steps
-    if ctx.val_loader is not None and (step == total or (every and step % every == 0) or (not every and epoch_ended)):
-        fault.heartbeat.mark("eval")
+    if eval_due(ctx, epoch_ended):
         # The EMA weights are the ones a run with EMA ships, so they are the ones validated.
         model = ctx.ema.module if ctx.ema is not None else ctx.raw_model
-        val = evaluate(ctx.experiment, model, ctx.val_loader, ctx.runtime, ctx.precision, cfg.train.channels_last)
+        val = evaluate(ctx.experiment, model, ctx.val_loader, ctx.runtime, ctx.precision, cfg.train.channels_last,
+                       on_batch=lambda: fault.heartbeat.mark("eval"))
         ctx.metrics.log({"step": step, "split": "val", "epoch": ctx.state.epoch, **val})
-    leaving = bool(verdict.stop_signal) or step >= ctx.end_step
-    scheduled = save_due(step, total, cfg.ckpt.every_steps) or step == ctx.end_step
-    if scheduled or verdict.save_due or verdict.stop_signal:
+    leaving = step >= ctx.end_step
+    if save_due(step, total, cfg.ckpt.every_steps) or leaving or verdict.save_due:
         fault.heartbeat.mark("checkpoint")
-        # The last save is waited for: a preempted or finished run exits only with its checkpoint on disk.
+        # The last save is waited for: a finished run exits only with its checkpoint on disk.
         ctx.checkpointer.save(ctx.state, ctx.stateful(), wait=leaving)
         fault.last_save = time.monotonic()
-    if epoch_ended or step >= ctx.end_step or verdict.stop_signal:
+    if epoch_ended or leaving:
         report_skipped_samples(ctx, ctx.state.epoch - 1 if epoch_ended else ctx.state.epoch)
     if leaving:
-        return val, verdict.stop_signal  # leaving: cast nothing, so no collective is left pending
+        return val, 0  # leaving: cast nothing, so no collective is left pending
     fault.vote.cast(fault.signals.received, _time_save_due(ctx))
     return val, 0
+
+
+def eval_due(ctx: TrainContext, epoch_ended: bool) -> bool:
+    step, every = ctx.state.step, ctx.cfg.eval.every_steps
+    return ctx.val_loader is not None and (step == ctx.total_steps or (every and step % every == 0) or (not every and epoch_ended))
+
+
+def stop_with_checkpoint(ctx: TrainContext, window: "_Window", stop_signal: int, skipped_eval: bool) -> int:
+    """A stop signal: the checkpoint first and nothing that resuming does not need. Slurm's grace after
+    SIGTERM (KillWait) is often 30 s, and a validation pass or a plot before the save can outlast it."""
+    log_train(ctx, window)  # one small all-reduce: the loss of the steps since the last line is not lost
+    ctx.fault.heartbeat.mark("checkpoint")
+    ctx.checkpointer.save(ctx.state, ctx.stateful(), wait=True)  # the job exits only with it on disk
+    if skipped_eval and ctx.runtime.is_main:
+        log.warning("validation due at step %d skipped: stopping (the resumed run goes on from the next step)",
+                    ctx.state.step)
+    report_skipped_samples(ctx, ctx.state.epoch)
+    return stop_signal
 
 
 def _time_save_due(ctx: TrainContext) -> bool:

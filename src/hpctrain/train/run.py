@@ -157,7 +157,7 @@ def _start_watchdog(ctx: TrainContext, alerter: Alerter) -> Watchdog:
                      log_tail=recent_log_lines())
 
     watchdog = Watchdog(ctx.fault.heartbeat, Path(ctx.cfg.run_dir) / "heartbeat", f.heartbeat_every_s,
-                        f.hang_timeout_s, ctx.runtime.is_main, on_hang)
+                        f.hang_timeout_s, ctx.runtime.is_main, on_hang, slow_timeout_s=f.slow_phase_timeout_s)
     watchdog.beat()  # the file exists from the start (tests and operators find the pid there)
     watchdog.start()
     return watchdog
@@ -167,9 +167,11 @@ def _stopped(ctx: TrainContext, alerter: Alerter, result: loop.LoopResult) -> Ou
     """A stop signal: the checkpoint is saved on every rank; say so, requeue, exit with fault.exit_code."""
     rt, f = ctx.runtime, ctx.cfg.fault
     if rt.is_main:
+        got = ctx.fault.signals.received_at
+        after = f", {time.monotonic() - got:.1f} s after the signal reached rank 0" if got else ""
         log.warning(
-            "stopped by %s at step %d with a checkpoint; exit code %d means: resume me (same run dir)",
-            signal_name(result.stop_signal), ctx.state.step, f.exit_code,
+            "stopped by %s at step %d with a checkpoint%s; exit code %d means: resume me (same run dir)",
+            signal_name(result.stop_signal), ctx.state.step, after, f.exit_code,
         )
         alerter.send("requeue", last_step=ctx.state.step, exit_code=f.exit_code,
                      detail=f"stopped by {signal_name(result.stop_signal)}", log_tail=recent_log_lines())

@@ -1,0 +1,99 @@
+"""The watchdog tells frozen ranks from stuck ones, gives slow phases their own limit, and leaves stacks behind."""
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from hpctrain.fault.heartbeat import Heartbeat, Limits, Watchdog, format_stuck, stuck_ranks
+
+LIMITS = Limits(hang_s=50, slow_s=500, beat_s=10)
+
+
+def beat(rank: int, since: float, written: float, phase: str = "forward", slow: bool = False) -> dict:
+    return {"rank": rank, "since": since, "written": written, "phase": phase, "slow": slow, "step": 40,
+            "host": f"node{rank}", "pid": 100 + rank}
+
+
+def test_a_rank_whose_file_is_stale_is_reported_frozen_not_by_its_old_phase():
+    now = 1000.0
+    alive = beat(0, since=900, written=now - 3, phase="backward")  # waiting in a collective, still writing
+    frozen = beat(1, since=880, written=880, phase="start", slow=True)  # its file stopped with it, in a slow phase
+    stale = stuck_ranks([alive, frozen], now, LIMITS)
+    assert [(b["rank"], b["frozen"]) for b in stale] == [(1, True), (0, False)]
+    text = format_stuck(stale)
+    assert ("rank 1 on node1 (pid 101): process frozen or stopped (heartbeat not written for 120 s); "
+            "last seen in phase 'start' at step 40") in text
+    assert "rank 0 on node0 (pid 100): phase 'backward' at step 40, no progress for 100 s" in text
+    assert "phase 'start' at step 40, no progress" not in text  # the old phase is not presented as current
+
+
+def test_slow_phases_get_their_own_limit():
+    now = 1000.0
+    compiling = beat(0, since=now - 100, written=now, slow=True)
+    stuck = beat(1, since=now - 100, written=now)
+    saving = beat(2, since=now - 600, written=now, phase="checkpoint", slow=True)
+    assert [b["rank"] for b in stuck_ranks([compiling, stuck, saving], now, LIMITS)] == [2, 1]
+
+
+def test_first_entry_of_a_phase_and_every_checkpoint_are_slow():
+    hb = Heartbeat(rank=0, host="h")
+    assert hb.slow  # "start": before the first step, restore and set-up
+    hb.mark("forward", 0)
+    assert hb.slow  # the first forward: torch.compile
+    hb.mark("forward", 1)
+    assert not hb.slow
+    hb.mark("checkpoint", 1)
+    hb.mark("checkpoint", 2)
+    assert hb.slow
+    assert json.loads(json.dumps(hb.snapshot()))["slow"] is True
+
+
+def test_a_moving_validation_is_not_a_hang_but_a_stuck_one_is(tmp_path: Path):
+    seen = []
+    hb = Heartbeat(rank=0, host="h")
+    dog = Watchdog(hb, tmp_path, every_s=60, hang_timeout_s=0.2, is_main=True, on_hang=seen.append, slow_timeout_s=0.6)
+    hb.mark("eval", 5)  # the first validation batch (a recompile): the slow limit
+    time.sleep(0.3)
+    dog.beat()
+    assert not seen
+    for _ in range(3):  # a batch every 0.1 s: progress
+        time.sleep(0.1)
+        hb.mark("eval")
+        dog.beat()
+    assert not seen
+    time.sleep(0.3)
+    dog.beat()
+    assert len(seen) == 1 and seen[0][0]["phase"] == "eval" and not seen[0][0]["frozen"]
+    text = (tmp_path / "stuck_rank_0.txt").read_text()
+    assert "All threads" in text and "test_a_moving_validation_is_not_a_hang_but_a_stuck_one_is" in text
+    dog.stop()
+    assert not dog.frozen_path.exists()  # armed, never fired: removed
+
+
+FROZEN = """
+import ctypes, sys, time
+from pathlib import Path
+from hpctrain.fault.heartbeat import Heartbeat, Watchdog
+
+def hold_the_lock_in_c():
+    ctypes.PyDLL(None).sleep(3)  # libc sleep through PyDLL keeps the GIL: no Python thread can run
+
+hb = Heartbeat(rank=3, host="h")
+dog = Watchdog(hb, Path(sys.argv[1]), every_s=0.2, hang_timeout_s=0.5, is_main=False, slow_timeout_s=60)
+hb.mark("forward", 1)  # a slow phase (first entry), yet no Python runs in a frozen process: 0.5 s applies
+dog.start()
+time.sleep(0.5)
+hold_the_lock_in_c()
+dog.stop()
+"""
+
+
+def test_a_process_frozen_holding_the_interpreter_lock_still_leaves_all_its_stacks(tmp_path: Path):
+    """The Python watchdog cannot run then; faulthandler's C thread, armed by the last beat, can."""
+    subprocess.run([sys.executable, "-c", textwrap.dedent(FROZEN), str(tmp_path)], check=True, timeout=60)
+    text = (tmp_path / "frozen_rank_3.txt").read_text()
+    assert "most recent call first" in text and "hold_the_lock_in_c" in text
+    assert text.count("Thread 0x") + text.count("Current thread 0x") == 2  # the frozen main thread and the watchdog
