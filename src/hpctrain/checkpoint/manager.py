@@ -69,6 +69,14 @@ def select_checkpoint(
     return chosen, skipped
 
 
+def read_state(path: Path) -> TrainState | None:
+    """A checkpoint's train state, or None when unreadable (the workers' checksum verification reports it)."""
+    try:
+        return TrainState.from_dict(json.loads((path / "state.json").read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 @dataclass(frozen=True)
 class Resumed:
     path: Path

@@ -3,7 +3,7 @@
     RUN_DIR/checkpoints/
         step_00000120/           one directory per save
             model.pt ...         torch.save files (loaded with weights_only=True)
-            state.json           step, epoch, data position, world size
+            state.json           step, epoch, data position and its global batch, world size
             config.toml          the resolved config of the run that saved it
             manifest.json        written last: schema, sizes and sha256 of every file
         latest                   name of the newest complete checkpoint, written after it

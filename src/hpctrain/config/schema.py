@@ -150,6 +150,11 @@ class CkptSection:
     """Write periodic checkpoints in the background: training pauses only to copy the state into CPU memory
     (one extra copy of model, optimizer and EMA state in rank 0's host memory). The last save of a run and a
     preemption save are always waited for; a failed background write stops the run at the next save."""
+    on_batch_change: Literal["error", "restart_epoch"] = "error"
+    """A resume whose train.global_batch_size differs from the checkpoint's: error stops before anything is
+    written, naming both values. restart_epoch starts the saved epoch again from its first sample with the new
+    batch (the saved position counts batches of the old size); the step count, and so the learning-rate
+    schedule, which is in steps, continue."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from hpctrain.checkpoint.manager import select_checkpoint
+from hpctrain.checkpoint.manager import read_state, select_checkpoint
 from hpctrain.config import config_to_toml, load_config, plan_batches
 from hpctrain.config.schema import RunConfig
 from hpctrain.dist.env import LaunchInfo, detect_launch
@@ -18,6 +18,7 @@ from hpctrain.experiments import Experiment, resolve_experiment
 from hpctrain.fault.alerts import resolve_webhook
 from hpctrain.logs import setup_logging
 from hpctrain.train.rundir import ensure_writable
+from hpctrain.train.state import continue_with_batch
 
 log = logging.getLogger("hpctrain")
 
@@ -61,7 +62,17 @@ def preflight(cfg: RunConfig, world_size: int, command: str = "train") -> None:
         ensure_writable(run_dir)
     resolve_webhook(cfg.alert)  # an unreadable alert.webhook_file is bad input, found before training
     # Cheap checks only (the workers verify checksums before loading).
-    select_checkpoint(run_dir / "checkpoints", cfg.ckpt.resume, cfg.experiment, verify_checksums=False)
+    chosen, _ = select_checkpoint(run_dir / "checkpoints", cfg.ckpt.resume, cfg.experiment, verify_checksums=False)
+    if command == "train" and chosen is not None:
+        _check_saved_batch(chosen.path, cfg)
+
+
+def _check_saved_batch(path: Path, cfg: RunConfig) -> None:
+    """A changed train.global_batch_size stops here, before any process starts or anything is written.
+    Warnings wait for the restore (rank 0), so they are said once."""
+    saved = read_state(path)
+    if saved is not None:
+        continue_with_batch(saved, cfg.train.global_batch_size, cfg.ckpt.on_batch_change, str(path), total_steps=0)
 
 
 def train_command(req: TrainRequest) -> int:

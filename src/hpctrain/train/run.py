@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpctrain.checkpoint.manager import Checkpointer
+from hpctrain.checkpoint.manager import Checkpointer, Resumed
 from hpctrain.config.batch import plan_batches
 from hpctrain.config.schema import RunConfig
 from hpctrain.data.loader import build_loader
@@ -17,7 +17,7 @@ from hpctrain.dist.collectives import barrier
 from hpctrain.dist.env import fault_injection_spec, stdout_is_terminal, under_hpctrain_agent
 from hpctrain.dist.runtime import Runtime
 from hpctrain.dist.wrap import unwrap_model, wrap_model
-from hpctrain.errors import UserError
+from hpctrain.errors import UserError, on_every_rank
 from hpctrain.experiments.base import Experiment
 from hpctrain.fault.alerts import Alerter, resolve_webhook
 from hpctrain.fault.heartbeat import Heartbeat, Watchdog, format_stuck
@@ -37,7 +37,7 @@ from hpctrain.train.optim import build_optimizer, build_scheduler
 from hpctrain.train.precision import resolve_precision
 from hpctrain.train.rng import seed_everything, seed_rank_streams
 from hpctrain.train.rundir import prepare_run_dir
-from hpctrain.train.state import TrainState
+from hpctrain.train.state import TrainState, continue_with_batch
 
 log = logging.getLogger("hpctrain")
 
@@ -86,7 +86,7 @@ def build_context(
         sampler=sampler,
         train_loader=train_loader,
         val_loader=val_loader,
-        state=TrainState(),
+        state=TrainState(global_batch_size=cfg.train.global_batch_size),
         total_steps=total_steps,
         checkpointer=Checkpointer(run_dir, cfg.experiment, runtime, config_text, cfg.ckpt.keep_last, cfg.ckpt.async_save),
         fault=FaultState(
@@ -115,7 +115,7 @@ def run_training(cfg: RunConfig, runtime: Runtime, experiment: Experiment, confi
     try:
         resumed = ctx.checkpointer.restore(cfg.ckpt.resume, ctx.stateful(), cfg.run.seed)
         if resumed is not None:
-            ctx.state = resumed.state
+            ctx.state = _continue_from(ctx, resumed)
         _announce(ctx, resumed)
         ctx.metrics = build_metrics_logger(
             runtime.is_main, Path(cfg.run_dir), cfg.log.progress, cfg.log.tensorboard,
@@ -147,6 +147,19 @@ def run_training(cfg: RunConfig, runtime: Runtime, experiment: Experiment, confi
                          detail=", ".join(f"{k} {v:.4g}" for k, v in result.val.items()))
     barrier(runtime)
     return Outcome(0, result.val)
+
+
+def _continue_from(ctx: TrainContext, resumed: Resumed) -> TrainState:
+    """The restored state, checked against this launch's global batch (the preflight already stopped a change
+    unless ckpt.on_batch_change allows it; this catches a checkpoint the preflight did not pick)."""
+    try:
+        state, warning = continue_with_batch(resumed.state, ctx.cfg.train.global_batch_size,
+                                             ctx.cfg.ckpt.on_batch_change, str(resumed.path), ctx.total_steps)
+    except UserError as err:
+        raise on_every_rank(err) from None  # every rank read the same state.json
+    if warning and ctx.runtime.is_main:
+        log.warning("%s", warning)
+    return state
 
 
 def _start_watchdog(ctx: TrainContext, alerter: Alerter) -> Watchdog:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
+
+from hpctrain.errors import UserError
 
 
 @dataclass
@@ -13,9 +15,13 @@ class TrainState:
     epoch: int = 0
     """Current epoch (0-based)."""
     step_in_epoch: int = 0
-    """Optimizer steps done in the current epoch: the data position, valid for any world size."""
+    """Optimizer steps done in the current epoch: the data position, valid for any world size
+    (not for another global batch size: it counts global batches)."""
     samples_seen: int = 0
     """Training samples consumed, all ranks together."""
+    global_batch_size: int = 0
+    """Samples per optimizer step (train.global_batch_size) of the steps counted above: the unit of
+    step_in_epoch. 0: unknown, a checkpoint written before hpctrain recorded it."""
 
     def advance(self, global_batch_size: int, steps_per_epoch: int) -> None:
         self.step += 1
@@ -30,4 +36,49 @@ class TrainState:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainState":
-        return cls(**{k: int(data[k]) for k in ("step", "epoch", "step_in_epoch", "samples_seen")})
+        known = {k: int(data[k]) for k in ("step", "epoch", "step_in_epoch", "samples_seen")}
+        return cls(**known, global_batch_size=int(data.get("global_batch_size", 0)))
+
+
+def continue_with_batch(
+    saved: TrainState, global_batch_size: int, on_change: str, source: str, total_steps: int
+) -> tuple[TrainState, str]:
+    """The state a resumed launch continues from with its train.global_batch_size, and a warning to log
+    ('' when none). Raises UserError when the batch changed and on_change (ckpt.on_batch_change) is
+    'error': the saved data position counts batches of the old size, so it would silently point elsewhere."""
+    now = replace(saved, global_batch_size=global_batch_size)
+    if saved.global_batch_size == global_batch_size:
+        return now, ""
+    if saved.global_batch_size == 0:
+        # Refusing would strand every run saved before the field existed; its config.toml still says.
+        return now, (
+            f"checkpoint '{source}' does not record train.global_batch_size (written by an older hpctrain), so a "
+            f"change cannot be detected; if it differs from {global_batch_size}, the data position is wrong: "
+            f"compare with train.global_batch_size in {source}/config.toml"
+        )
+    if on_change != "restart_epoch":
+        raise _batch_changed(saved, global_batch_size, source)
+    return replace(now, step_in_epoch=0), _restart_warning(saved, global_batch_size, total_steps)
+
+
+def _batch_changed(saved: TrainState, global_batch_size: int, source: str) -> UserError:
+    old, e = saved.global_batch_size, saved.epoch
+    return UserError(
+        f"train.global_batch_size changed: checkpoint '{source}' was saved with {old}, this launch has "
+        f"{global_batch_size}. Its data position ({saved.step_in_epoch} steps into epoch {e}) counts batches of "
+        f"{old}, so it cannot continue with {global_batch_size}; nothing was changed",
+        f"resume with train.global_batch_size={old}; or start a new run (another run.dir); or set "
+        f"ckpt.on_batch_change=restart_epoch to start epoch {e} again from its first sample with batches of "
+        f"{global_batch_size} (the step count, and the learning-rate schedule, which is in steps, continue).",
+    )
+
+
+def _restart_warning(saved: TrainState, global_batch_size: int, total_steps: int) -> str:
+    old, e, done = saved.global_batch_size, saved.epoch, saved.step_in_epoch
+    repeated = f"its first {done * old} samples (the {done} steps done in it) are seen again" if done else "no sample repeats"
+    return (
+        f"train.global_batch_size changed from {old} to {global_batch_size} (ckpt.on_batch_change=restart_epoch): "
+        f"epoch {e} starts again from its first sample with the new batch; {repeated}. The step count continues "
+        f"from step {saved.step}, so the learning-rate schedule, which is in steps, continues at step {saved.step} "
+        f"of {total_steps}, and the run ends at step {total_steps}"
+    )
