@@ -1,11 +1,15 @@
 """Invariants 1-3 of DESIGN.md with real processes (torchrun, gloo on CPU), each with a hard timeout."""
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from tests.conftest import read_jsonl, run_hpctrain, train_losses
+from hpctrain.experiments.digits.data import split_digits
+from hpctrain.experiments.digits.model import MiniResNet
+from tests.conftest import read_jsonl, run_hpctrain, same_params, train_losses
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
 
@@ -41,29 +45,72 @@ def test_world_size_equivalence(tmp_path: Path):
     assert runs[1][20] < runs[1][1] - 0.1
 
 
-def final_state(run_dir: Path) -> dict:
+def checkpoint_file(run_dir: Path, name: str = "model.pt") -> dict:
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    return torch.load(run_dir / "checkpoints" / latest / "model.pt", weights_only=True)
+    return torch.load(run_dir / "checkpoints" / latest / name, weights_only=True)
 
 
-def test_resume_continues_the_same_run(tmp_path: Path):
-    """16 steps in one go = 8 steps, stop, fresh launch with --resume auto, 8 more: identical losses and
-    parameters. Batch norm, EMA, accumulation, augmentation and a loader worker are all on."""
-    common = ["model.norm=batch", "optim.ema_decay=0.9", "data.num_workers=1", "train.max_steps=16",
-              "optim.warmup_steps=3"]
-    train(tmp_path / "straight", 2, *common)
-    train(tmp_path / "split", 2, *common, "train.stop_at_step=8")
+# Batch norm, EMA, accumulation, augmentation and a loader worker all on.
+EMA_RUN = ["model.norm=batch", "optim.ema_decay=0.9", "data.num_workers=1", "train.max_steps=16", "optim.warmup_steps=3"]
+
+
+@pytest.fixture(scope="module")
+def ema_straight(tmp_path_factory) -> Path:
+    """16 steps in one go, with EMA: the reference of the resume test and the run the eval test validates."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    train(run_dir, 2, *EMA_RUN)
+    return run_dir
+
+
+def test_resume_continues_the_same_run(tmp_path: Path, ema_straight: Path):
+    """16 steps in one go = 8 steps, stop, fresh launch with --resume auto, 8 more: identical losses,
+    parameters and EMA weights (the EMA is not in the losses or the parameters: it must be compared itself)."""
+    train(tmp_path / "split", 2, *EMA_RUN, "train.stop_at_step=8")
     assert max(train_losses(tmp_path / "split")) == 8
-    result = train(tmp_path / "split", 2, *common, "--resume", "auto")
+    result = train(tmp_path / "split", 2, *EMA_RUN, "--resume", "auto")
     assert "resumed from" in result.stderr and "at step 8" in result.stderr
 
-    straight, split = train_losses(tmp_path / "straight"), train_losses(tmp_path / "split")
+    straight, split = train_losses(ema_straight), train_losses(tmp_path / "split")
     assert sorted(split) == list(range(1, 17))
     assert split == straight  # exact equality: same world size, same arithmetic
-    a, b = final_state(tmp_path / "straight"), final_state(tmp_path / "split")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    val = [r for r in read_jsonl(tmp_path / "split" / "metrics.jsonl") if r["split"] == "val"]
-    assert val[-1]["step"] == 16 and "accuracy" in val[-1]
+    assert same_params(checkpoint_file(ema_straight), checkpoint_file(tmp_path / "split"))
+    ema = checkpoint_file(tmp_path / "split", "ema.pt")
+    assert int(ema["n_averaged"]) == 16  # updated at every step, the 8 before the stop included
+    assert same_params(checkpoint_file(ema_straight, "ema.pt"), ema)
+    # Validated on the EMA weights: rank 1 of the resumed run holds rank 0's saved copy of them, so this also needs
+    # every rank to validate rank 0's batch-norm statistics, not its own.
+    assert val_metrics(tmp_path / "split") == val_metrics(ema_straight) and 16 in val_metrics(ema_straight)
+
+
+def val_metrics(run_dir: Path) -> dict[int, tuple[float, float]]:
+    return {r["step"]: (r["loss"], r["accuracy"]) for r in read_jsonl(run_dir / "metrics.jsonl") if r["split"] == "val"}
+
+
+def digits_metrics(weights: dict) -> dict[str, float]:
+    """Validation loss and accuracy of these weights, computed here in one batch, without hpctrain's loop."""
+    model = MiniResNet(in_channels=1, num_classes=10, width=8, norm="batch")
+    model.load_state_dict(weights)
+    images, labels = split_digits(397)[1].tensors
+    with torch.no_grad():
+        logits = model.eval()(images)
+    return {"loss": F.cross_entropy(logits, labels).item(), "accuracy": (logits.argmax(1) == labels).float().mean().item()}
+
+
+def test_eval_validates_the_ema_weights(ema_straight: Path):
+    """`hpctrain eval --resume PATH` of a run with EMA reports the EMA weights' metrics: those of the run's last
+    validation (which the loop computes on the EMA weights), and not those of the raw weights."""
+    latest = ema_straight / "checkpoints" / (ema_straight / "checkpoints" / "latest").read_text().strip()
+    result = run_hpctrain(["eval", "digits", f"run.dir={ema_straight}", "--resume", str(latest), "--nproc-per-node=2",
+                           *SMALL, *EMA_RUN], 150)
+    assert result.returncode == 0, result.output
+    printed = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("{")))
+    assert (printed["step"], printed["checkpoint"]) == (16, str(latest))
+    assert (printed["loss"], printed["accuracy"]) == val_metrics(ema_straight)[16]  # same ranks, same sums
+
+    ema = {k[len("module."):]: v for k, v in checkpoint_file(ema_straight, "ema.pt").items() if k.startswith("module.")}
+    assert digits_metrics(ema)["loss"] == pytest.approx(printed["loss"], rel=1e-5)
+    # The raw weights must give other numbers, or the checks above could not tell which weights eval used.
+    assert digits_metrics(checkpoint_file(ema_straight))["loss"] != pytest.approx(printed["loss"], rel=1e-2)
 
 
 def test_validation_is_exact_for_any_world_size(tmp_path: Path):

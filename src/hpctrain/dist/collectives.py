@@ -6,6 +6,7 @@ from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from hpctrain.dist.runtime import Runtime
 
@@ -44,3 +45,21 @@ def gather_objects(obj: Any, runtime: Runtime) -> list[Any]:
     out: list[Any] = [None] * runtime.world_size
     dist.all_gather_object(out, obj)
     return out
+
+
+def broadcast_buffers(module: nn.Module, runtime: Runtime) -> None:
+    """Every rank takes rank 0's buffers (batch-norm statistics), one broadcast per dtype.
+
+    Under DDP the parameters agree on every rank, but each rank's buffers hold the statistics of its own last
+    batches (DDP sends rank 0's only at the start of the next forward), and an EMA of them differs the same way.
+    Rank 0's are the ones a checkpoint holds."""
+    if not runtime.distributed:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for buffer in module.buffers():
+        by_dtype.setdefault(buffer.dtype, []).append(buffer)
+    for buffers in by_dtype.values():
+        packed = torch.cat([b.detach().reshape(-1) for b in buffers])
+        dist.broadcast(packed, src=0)
+        for b, part in zip(buffers, packed.split([b.numel() for b in buffers])):
+            b.detach().copy_(part.view_as(b))

@@ -12,7 +12,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpctrain.checkpoint.policy import save_due
-from hpctrain.dist.collectives import all_reduce_sums
+from hpctrain.dist.collectives import all_reduce_sums, broadcast_buffers
 from hpctrain.train.context import TrainContext
 from hpctrain.train.device import to_device
 from hpctrain.train.evaluate import evaluate
@@ -108,6 +108,8 @@ def after_step(ctx: TrainContext, window: "_Window", epoch_ended: bool) -> tuple
     if eval_due(ctx, epoch_ended):
         # The EMA weights are the ones a run with EMA ships, so they are the ones validated.
         model = ctx.ema.module if ctx.ema is not None else ctx.raw_model
+        # Validate on every rank the weights the checkpoint holds (rank 0's), not each rank's own batch-norm statistics.
+        broadcast_buffers(model, ctx.runtime)
         val = evaluate(ctx.experiment, model, ctx.val_loader, ctx.runtime, ctx.precision, cfg.train.channels_last,
                        on_batch=lambda: fault.heartbeat.mark("eval"))
         ctx.metrics.log({"step": step, "split": "val", "epoch": ctx.state.epoch, **val})
