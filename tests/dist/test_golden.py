@@ -104,7 +104,8 @@ def test_digits_demo_matches_its_golden_record(tmp_path: Path):
         pytest.skip(f"golden record made with torch {golden['torch']}, this is {torch.__version__}: its kernels and "
                     f"random streams may differ; to re-baseline on this torch: {REGENERATE_WITH}")
     started = time.monotonic()
-    result = run_hpctrain([*DEMO, f"run.dir={tmp_path}"], 300)
+    # torchrun's default, pinned: a developer's own OMP_NUM_THREADS would change CPU reduction order.
+    result = run_hpctrain([*DEMO, f"run.dir={tmp_path}"], 300, env={"OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.output
     print(f"demo with every step logged: {time.monotonic() - started:.1f} s")
     got = demo_record(tmp_path)

@@ -89,6 +89,22 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+def stat_fields(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def state(pid: int) -> str:
+    """The process state letter (Z: dead, not yet reaped), '' when it is gone."""
+    return (stat_fields(pid) or [""])[0]
+
+
+def parent(pid: int) -> int:
+    return int((stat_fields(pid) or ["", "0"])[1])
+
+
 @pytest.mark.parametrize("worker_start", ["forkserver", "spawn"])
 @pytest.mark.parametrize("sig", [signal.SIGUSR2, signal.SIGTERM])
 def test_signal_to_every_process_of_the_run_stops_it_with_a_checkpoint(tmp_path: Path, sig, worker_start):
@@ -96,19 +112,25 @@ def test_signal_to_every_process_of_the_run_stops_it_with_a_checkpoint(tmp_path:
     reaches every process of the step at once: torchrun, the ranks, their loader workers and (forkserver)
     the helper process the workers are forked from. None of them may die of it before the rank has saved."""
     run_dir = tmp_path / "run"
-    proc = start_long_run(run_dir, "data.num_workers=2", f"data.worker_start={worker_start}", "data.persistent_workers=true")
+    # No validation before the end: its loader's workers would join the train loader's (persistent) ones.
+    proc = start_long_run(run_dir, "data.num_workers=2", f"data.worker_start={worker_start}",
+                          "data.persistent_workers=true", "eval.every_steps=1000000")
     try:
         wait_for_training(proc, run_dir)
         everyone = descendants(proc.pid)  # torchrun, 2 ranks, 4 workers, helpers: not the launcher
         # Forked from the helper, workers keep its command line: 2 helpers + 4 workers, or 4 spawned workers.
         started = [p for p in everyone if f"multiprocessing.{worker_start}" in cmdline(p)]
         assert len(started) == (6 if worker_start == "forkserver" else 4), [cmdline(p) for p in everyone]
+        trackers = [p for p in everyone if "multiprocessing.resource_tracker" in cmdline(p)]
         for pid in everyone:
             os.kill(pid, sig)
+        time.sleep(0.3)  # a default-action signal kills at delivery; the ranks need longer to save and exit
+        assert not [p for p in trackers if state(p) == "Z" and state(parent(p)) not in ("", "Z")], "tracker died"
         code = proc.wait(timeout=90)
         output = proc.stdout.read()
         assert code == 75, output
         assert f"stopped by {sig.name}" in output and "exited unexpectedly" not in output
+        assert "resource_tracker: process died unexpectedly" not in output  # it got the signal too
         assert len(list((run_dir / "checkpoints").glob("step_*"))) == 1
         assert not wait_gone(run_dir, 30)
     finally:

@@ -31,6 +31,16 @@ def test_a_stop_at_an_eval_step_saves_first_and_skips_the_validation(tmp_path: P
     assert "resumed from" in resumed.stderr
 
 
+def test_a_stop_at_the_last_step_saves_first_then_finishes_without_a_requeue(tmp_path: Path):
+    """Requeueing a finished run would only restart it to say it is complete; its final validation must not be lost."""
+    result = train(tmp_path, 2, "train.max_steps=10", "eval.every_steps=5", fault="signal:rank=1:step=8", expect=0)
+    assert "stop signal at step 10, this launch's last: checkpoint saved, finishing normally" in result.stderr
+    assert "stopped by" not in result.stderr and checkpoints(tmp_path) == ["step_00000010"]
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl") if r["split"] == "val"] == [5, 10]
+    out = result.stderr
+    assert out.index("saved checkpoint") < out.index("step 10/10 | val")
+
+
 def test_a_frozen_rank_is_reported_as_frozen_with_its_stacks(tmp_path: Path):
     """Rank 1 sleeps inside a C call holding the interpreter lock (its watchdog thread cannot write either).
     Rank 0 waits in the all-reduce and reports it: not by its last file's phase as if current, but as frozen."""

@@ -173,16 +173,28 @@ def test_bad_slurm_values_name_the_key(override, key):
         cfg(override)
 
 
-@pytest.mark.parametrize("item", ["HPCTRAIN_ALERT_WEBHOOK=https://hooks.example.org/secret-token",
-                                  "HPCTRAIN_ALERT_WEBHOOK =https://hooks.example.org/secret-token",
-                                  "HPCTRAIN_ALERT_WEBHOOK https://hooks.example.org/secret-token"])
-def test_the_alert_webhook_is_refused_in_slurm_env_without_echoing_it(item):
-    """slurm.env goes into config.toml, every checkpoint and the job script: no place for a credential."""
-    with pytest.raises(ConfigError, match=r"slurm\.env.*HPCTRAIN_ALERT_WEBHOOK") as err:
-        cfg(f"slurm.env=['{item}']")
+@pytest.mark.parametrize("key, item", [
+    ("env", "HPCTRAIN_ALERT_WEBHOOK=https://hooks.example.org/secret-token"),
+    ("env", "HPCTRAIN_ALERT_WEBHOOK =https://hooks.example.org/secret-token"),
+    ("env", "HPCTRAIN_ALERT_WEBHOOK https://hooks.example.org/secret-token"),
+    ("env", "export HPCTRAIN_ALERT_WEBHOOK=https://hooks.example.org/secret-token"),
+    ("extra_sbatch", "--export=ALL,HPCTRAIN_ALERT_WEBHOOK=https://hooks.example.org/secret-token"),
+])
+def test_the_alert_webhook_is_refused_in_slurm_env_without_echoing_it(key, item):
+    """slurm.env and slurm.extra_sbatch go into config.toml, every checkpoint and the job script: no place for a
+    credential, under any spelling."""
+    with pytest.raises(ConfigError, match=rf"slurm\.{key}.*HPCTRAIN_ALERT_WEBHOOK") as err:
+        cfg(f"slurm.{key}=['{item}']")
     said = f"{err.value}\n{err.value.hint}"
     assert "alert.webhook_file" in said and "chmod 600" in said and "--export" in said
     assert "secret-token" not in said and "hooks.example.org" not in said
+
+
+@pytest.mark.parametrize("key, item", [("env", "API TOKEN=secret-token"), ("extra_sbatch", "comment=secret-token")])
+def test_malformed_env_and_sbatch_items_are_named_without_their_values(key, item):
+    with pytest.raises(ConfigError, match=f"slurm.{key}") as err:
+        cfg(f"slurm.{key}=['{item}']")
+    assert "secret-token" not in f"{err.value}\n{err.value.hint}" and item.split("=")[0] in str(err.value)
 
 
 def test_newlines_cannot_reach_the_script():
@@ -245,3 +257,10 @@ def test_a_bare_interpreter_name_on_path_is_found():
 
     c = cfg("slurm.python=python3")
     assert "python3" in gather_facts(c, job.job_spec(c)).existing
+
+
+def test_the_lead_time_hint_does_not_trigger_its_own_warning():
+    """Below 120 s of job, half the job would be under the 60 s the lead-time check warns about."""
+    from hpctrain.slurm.lint import _lead_for
+
+    assert [_lead_for(t) for t in (None, 3600, 200, 90, 61, 30)] == [120, 120, 100, 60, 60, 29]

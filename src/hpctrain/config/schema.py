@@ -189,7 +189,9 @@ class FaultSection:
     slow_phase_timeout_s: float = 1800.0
     """The same limit for phases that are slow without a hang: a checkpoint save, and the first time a process
     enters a phase (torch.compile in the first forward, NCCL set-up and autotuning in the first step, loader
-    workers starting, a recompile in the first validation batch). Below hang_timeout_s: hang_timeout_s applies."""
+    workers starting, a recompile in the first validation batch). Below hang_timeout_s: hang_timeout_s applies.
+    Capped just below dist.timeout_s: a rank waiting longer than that for a peer fails its collective anyway,
+    and the report must come first."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -415,20 +417,28 @@ def _validate_slurm(s: "SlurmSection") -> None:
             _require(not (isinstance(v, str) and any(ord(c) < 32 or ord(c) == 127 for c in v)),
                      f"slurm.{f.name}", "must not contain newlines or other control characters")
     _require("/" not in s.job_name, "slurm.job_name", "must not contain '/' (it names the log file, %x_%j.out)")
+    for key in ("env", "extra_sbatch"):
+        # A secret here would be written to config.toml, every checkpoint and the job script
+        # (e.g. env 'export HPCTRAIN_ALERT_WEBHOOK=...' or extra_sbatch '--export=ALL,HPCTRAIN_ALERT_WEBHOOK=...').
+        _require(not any(ALERT_WEBHOOK in item for item in getattr(s, key)), f"slurm.{key}",
+                 f"must not hold {ALERT_WEBHOOK}: the webhook URL is a credential, and slurm.{key} is written "
+                 "into config.toml, every checkpoint and the job script",
+                 f"remove it from slurm.{key} and put the URL alone into a file only you can read (chmod 600), named "
+                 "by alert.webhook_file; exporting it in the submitting shell is not enough where sbatch does not "
+                 "pass the environment on (--export)")
+    # Errors below show an item only up to its '=': values may be credentials of other services.
     for item in s.env:
         name, eq, _ = item.partition("=")
-        # A secret here would be written to config.toml, every checkpoint and the job script. Never echo it.
-        _require(not re.match(rf"\s*{ALERT_WEBHOOK}\b", item), "slurm.env",  # also without '=': never echoed below
-                 f"must not hold {ALERT_WEBHOOK}: the webhook URL is a credential, and slurm.env is written "
-                 "into config.toml, every checkpoint and the job script",
-                 "remove it from slurm.env and put the URL alone into a file only you can read (chmod 600), named by "
-                 "alert.webhook_file; exporting it in the submitting shell is not enough where sbatch does not "
-                 "pass the environment on (--export)")
         _require(bool(eq) and bool(_ENV_NAME.match(name)), "slurm.env",
-                 f"{item!r} is not NAME=value (NAME: letters, digits, underscore)")
+                 f"{_up_to_value(item)!r} is not NAME=value (NAME: letters, digits, underscore)")
     for item in s.extra_sbatch:
         _require(item.startswith("-"), "slurm.extra_sbatch",
-                 f"{item!r} is not an sbatch option; write e.g. '--mail-type=END' (without '#SBATCH')")
+                 f"{_up_to_value(item)!r} is not an sbatch option; write e.g. '--mail-type=END' (without '#SBATCH')")
+
+
+def _up_to_value(item: str) -> str:
+    name, eq, value = item.partition("=")
+    return f"{name}=..." if eq and value else item
 
 
 @cache

@@ -160,16 +160,17 @@ def stop_signals_blocked() -> Iterator[None]:
     Slurm signals every process of a step, and a loader process dies of SIGUSR1/2/HUP/TERM by default.
     A blocked mask is inherited through fork and survives exec, so it covers what no worker_init_fn
     can: the forkserver helper (started on the first iter(), parent of every worker, and the workers die
-    with it), and each worker's first moments before worker_init_fn runs. multiprocessing starts its
-    resource tracker the same way. Blocking, not ignoring: a signal for this rank that arrives meanwhile
+    with it), and each worker's first moments before worker_init_fn runs. Blocking, not ignoring: a signal for this rank that arrives meanwhile
     is delivered to another thread or when the block ends, not lost. The helper stays blocked for
-    life; workers take over in guard_stop_signals."""
-    # Started first, because starting it unblocks SIGTERM and SIGINT in this thread (CPython's
-    # resource_tracker.ensure_running), which would leave the forkserver helper open to SIGTERM.
-    # Once it runs, the call is a liveness check.
-    resource_tracker.ensure_running()
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {*STOP_SIGNALS, signal.SIGTERM})
+    life; workers take over in guard_stop_signals. multiprocessing's resource tracker (one per rank) is
+    started here too, so it inherits the block; it ignores SIGINT and SIGTERM itself."""
+    stop = {*STOP_SIGNALS, signal.SIGTERM}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, stop)
     try:
+        # Starting the tracker (or restarting it after a death) ends with CPython unblocking SIGINT and SIGTERM
+        # in this thread, whatever the mask was before: start it now, then block again for the workers.
+        resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, stop)
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)

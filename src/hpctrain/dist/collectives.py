@@ -48,17 +48,19 @@ def gather_objects(obj: Any, runtime: Runtime) -> list[Any]:
 
 
 def broadcast_buffers(module: nn.Module, runtime: Runtime) -> None:
-    """Every rank takes rank 0's buffers (batch-norm statistics), one broadcast per dtype.
+    """Every rank takes rank 0's buffers (batch-norm statistics), one broadcast per device and dtype.
 
     Under DDP the parameters agree on every rank, but each rank's buffers hold the statistics of its own last
     batches (DDP sends rank 0's only at the start of the next forward), and an EMA of them differs the same way.
     Rank 0's are the ones a checkpoint holds."""
     if not runtime.distributed:
         return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for buffer in module.buffers():
-        by_dtype.setdefault(buffer.dtype, []).append(buffer)
-    for buffers in by_dtype.values():
+        # NCCL moves only CUDA tensors: a buffer a user's model keeps on the CPU stays each rank's own.
+        if runtime.backend != "nccl" or buffer.device.type == "cuda":
+            groups.setdefault((buffer.device, buffer.dtype), []).append(buffer)
+    for buffers in groups.values():
         packed = torch.cat([b.detach().reshape(-1) for b in buffers])
         dist.broadcast(packed, src=0)
         for b, part in zip(buffers, packed.split([b.numel() for b in buffers])):

@@ -36,13 +36,15 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 log = logging.getLogger("hpctrain")
 
 
+EXITED = frozenset({"done", "failed", "stopped"})
+"""The phases a watchdog writes last, on the way out (Watchdog.stop)."""
 ALWAYS_SLOW = frozenset({"checkpoint"})
 """Phases whose length grows with the model, not with a hang: always the slow-phase limit."""
 
@@ -61,18 +63,22 @@ class Heartbeat:
     on_mark: Callable[[str, int], None] | None = field(default=None, repr=False)
     """Called at every mark (fault injection in tests); None in normal runs."""
     _seen: set = field(default_factory=set, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    """The watchdog thread must not see a new phase with the old one's start (a false hang after a slow phase)."""
 
     def mark(self, phase: str, step: int | None = None) -> None:
-        if step is not None:
-            self.step = step
-        self.slow = phase in ALWAYS_SLOW or phase not in self._seen
-        self._seen.add(phase)
-        self.phase, self.since = phase, time.time()
+        with self._lock:  # uncontended: well under a microsecond, a few times per step
+            if step is not None:
+                self.step = step
+            self.slow = phase in ALWAYS_SLOW or phase not in self._seen
+            self._seen.add(phase)
+            self.phase, self.since = phase, time.time()
         if self.on_mark is not None:
             self.on_mark(phase, self.step)
 
     def snapshot(self) -> dict:
-        data = {k: v for k, v in asdict(self).items() if k not in ("on_mark", "_seen")}
+        with self._lock:
+            data = {k: getattr(self, k) for k in ("rank", "host", "pid", "step", "phase", "since", "slow")}
         return data | {"written": time.time()}
 
 
@@ -92,6 +98,12 @@ def read_heartbeats(directory: Path) -> list[dict]:
     return beats
 
 
+def slow_phase_limit(slow_s: float, collective_timeout_s: float, beat_s: float) -> float:
+    """fault.slow_phase_timeout_s, capped two beats below dist.timeout_s: a peer waiting for a slow phase longer
+    than the collective timeout fails anyway, and a hang report after that would never be written."""
+    return min(slow_s, max(collective_timeout_s - 2 * beat_s, beat_s))
+
+
 @dataclass(frozen=True)
 class Limits:
     hang_s: float
@@ -106,9 +118,12 @@ class Limits:
 
     @property
     def frozen_after_s(self) -> float:
-        """A file not rewritten for this long belongs to a frozen or stopped process (3 missed beats, and
-        2 s for clocks of different nodes and a slow shared filesystem)."""
-        return 3 * self.beat_s + 2
+        """A file not rewritten for this long belongs to a frozen or stopped process: 3 missed beats and 2 s for
+        a slow shared filesystem, but below the hang limit, so a frozen rank is stale when rank 0 reports.
+        Rank 0 compares other nodes' clocks with its own: cluster nodes run NTP (well under a second apart);
+        a node whose clock is off by more than this would be misreported."""
+        wanted = 3 * self.beat_s + 2
+        return min(wanted, max(2 * self.beat_s, self.hang_s - self.beat_s)) if self.hang_s else wanted
 
 
 def stuck_ranks(beats: list[dict], now: float, limits: Limits) -> list[dict]:
@@ -117,7 +132,8 @@ def stuck_ranks(beats: list[dict], now: float, limits: Limits) -> list[dict]:
     stale = []
     for b in beats:
         unwritten = now - b.get("written", now)
-        frozen = unwritten > limits.frozen_after_s  # whatever its last phase's limit: that phase is not current
+        exited = b["phase"] in EXITED  # its last file, written on the way out: not frozen, just gone
+        frozen = unwritten > limits.frozen_after_s and not exited  # whatever its last phase's limit: not current
         if b["phase"] == "done" or not (frozen or now - b["since"] > limits.for_beat(b)):
             continue
         stale.append(b | {"stuck_s": now - b["since"], "frozen": frozen, "unwritten_s": unwritten})
@@ -130,6 +146,8 @@ def format_stuck(stale: list[dict]) -> str:
 
 def _describe(b: dict) -> str:
     who = f"  rank {b['rank']} on {b['host']} (pid {b['pid']})"
+    if b["phase"] in EXITED:
+        return f"{who}: exited ({b['phase']}) at step {b['step']}"
     if b.get("frozen"):
         return (f"{who}: process frozen or stopped (heartbeat not written for {b['unwritten_s']:.0f} s); "
                 f"last seen in phase '{b['phase']}' at step {b['step']}; its stacks, if it could write them: "

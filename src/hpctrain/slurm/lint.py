@@ -154,8 +154,9 @@ def _time(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
 
 
 def _lead_for(limit: int | None) -> int:
-    """A warning lead the time limit leaves room for: 120 s, at most half the job."""
-    return 120 if limit is None else max(1, min(120, limit // 2))
+    """A warning lead the time limit leaves room for: 120 s; in a shorter job half of it, but not below the 60 s
+    that Slurm may be late by (the lint would warn about its own advice), and always before the job's end."""
+    return 120 if limit is None else max(1, min(120, max(60, limit // 2), limit - 1))
 
 
 def _quarter_minutes(limit: int) -> float:

@@ -100,10 +100,18 @@ def after_step(ctx: TrainContext, window: "_Window", epoch_ended: bool) -> tuple
     step, total, cfg, fault = ctx.state.step, ctx.total_steps, ctx.cfg, ctx.fault
     fault.heartbeat.mark("sync", step)
     verdict = fault.vote.collect()  # cast one boundary ago: the same verdict on every rank
-    if verdict.stop_signal:
+    leaving = step >= ctx.end_step
+    if verdict.stop_signal and not leaving:
         return None, stop_with_checkpoint(ctx, window, verdict.stop_signal, eval_due(ctx, epoch_ended))
     if step % cfg.log.every_steps == 0 or step in (total, ctx.end_step):
         log_train(ctx, window)
+    # A stop signal at the last step: the run ends here anyway (exit 0, no requeue), but its checkpoint comes
+    # before the final validation, inside the grace Slurm gives between SIGTERM and SIGKILL.
+    saved_first = leaving and bool(verdict.stop_signal)
+    if saved_first:
+        _save(ctx, wait=True)
+        if ctx.runtime.is_main:
+            log.warning("stop signal at step %d, this launch's last: checkpoint saved, finishing normally", step)
     val = None
     if eval_due(ctx, epoch_ended):
         # The EMA weights are the ones a run with EMA ships, so they are the ones validated.
@@ -113,18 +121,20 @@ def after_step(ctx: TrainContext, window: "_Window", epoch_ended: bool) -> tuple
         val = evaluate(ctx.experiment, model, ctx.val_loader, ctx.runtime, ctx.precision, cfg.train.channels_last,
                        on_batch=lambda: fault.heartbeat.mark("eval"))
         ctx.metrics.log({"step": step, "split": "val", "epoch": ctx.state.epoch, **val})
-    leaving = step >= ctx.end_step
-    if save_due(step, total, cfg.ckpt.every_steps) or leaving or verdict.save_due:
-        fault.heartbeat.mark("checkpoint")
-        # The last save is waited for: a finished run exits only with its checkpoint on disk.
-        ctx.checkpointer.save(ctx.state, ctx.stateful(), wait=leaving)
-        fault.last_save = time.monotonic()
+    if not saved_first and (save_due(step, total, cfg.ckpt.every_steps) or leaving or verdict.save_due):
+        _save(ctx, wait=leaving)  # the last save is waited for: a finished run exits only with it on disk
     if epoch_ended or leaving:
         report_skipped_samples(ctx, ctx.state.epoch - 1 if epoch_ended else ctx.state.epoch)
     if leaving:
         return val, 0  # leaving: cast nothing, so no collective is left pending
     fault.vote.cast(fault.signals.received, _time_save_due(ctx))
     return val, 0
+
+
+def _save(ctx: TrainContext, wait: bool) -> None:
+    ctx.fault.heartbeat.mark("checkpoint")
+    ctx.checkpointer.save(ctx.state, ctx.stateful(), wait=wait)
+    ctx.fault.last_save = time.monotonic()
 
 
 def eval_due(ctx: TrainContext, epoch_ended: bool) -> bool:
@@ -136,8 +146,7 @@ def stop_with_checkpoint(ctx: TrainContext, window: "_Window", stop_signal: int,
     """A stop signal: the checkpoint first and nothing that resuming does not need. Slurm's grace after
     SIGTERM (KillWait) is often 30 s, and a validation pass or a plot before the save can outlast it."""
     log_train(ctx, window)  # one small all-reduce: the loss of the steps since the last line is not lost
-    ctx.fault.heartbeat.mark("checkpoint")
-    ctx.checkpointer.save(ctx.state, ctx.stateful(), wait=True)  # the job exits only with it on disk
+    _save(ctx, wait=True)  # the job exits only with it on disk
     if skipped_eval and ctx.runtime.is_main:
         log.warning("validation due at step %d skipped: stopping (the resumed run goes on from the next step)",
                     ctx.state.step)

@@ -20,7 +20,7 @@ from hpctrain.dist.wrap import unwrap_model, wrap_model
 from hpctrain.errors import UserError, on_every_rank
 from hpctrain.experiments.base import Experiment
 from hpctrain.fault.alerts import Alerter, resolve_webhook
-from hpctrain.fault.heartbeat import Heartbeat, Watchdog, format_stuck
+from hpctrain.fault.heartbeat import Heartbeat, Watchdog, format_stuck, slow_phase_limit
 from hpctrain.fault.inject import build_injector
 from hpctrain.fault.requeue import requeue_slurm_job
 from hpctrain.fault.signals import StopSignals, signal_name, stop_signal_names
@@ -170,7 +170,8 @@ def _start_watchdog(ctx: TrainContext, alerter: Alerter) -> Watchdog:
                      log_tail=recent_log_lines())
 
     watchdog = Watchdog(ctx.fault.heartbeat, Path(ctx.cfg.run_dir) / "heartbeat", f.heartbeat_every_s,
-                        f.hang_timeout_s, ctx.runtime.is_main, on_hang, slow_timeout_s=f.slow_phase_timeout_s)
+                        f.hang_timeout_s, ctx.runtime.is_main, on_hang,
+                        slow_timeout_s=slow_phase_limit(f.slow_phase_timeout_s, ctx.cfg.dist.timeout_s, f.heartbeat_every_s))
     watchdog.beat()  # the file exists from the start (tests and operators find the pid there)
     watchdog.start()
     return watchdog
