@@ -160,10 +160,10 @@ def stop_signals_blocked() -> Iterator[None]:
     Slurm signals every process of a step, and a loader process dies of SIGUSR1/2/HUP/TERM by default.
     A blocked mask is inherited through fork and survives exec, so it covers what no worker_init_fn
     can: the forkserver helper (started on the first iter(), parent of every worker, and the workers die
-    with it), and each worker's first moments before worker_init_fn runs. Blocking, not ignoring: a signal for this rank that arrives meanwhile
-    is delivered to another thread or when the block ends, not lost. The helper stays blocked for
-    life; workers take over in guard_stop_signals. multiprocessing's resource tracker (one per rank) is
-    started here too, so it inherits the block; it ignores SIGINT and SIGTERM itself."""
+    with it), and each worker's first moments before worker_init_fn runs. Blocking, not ignoring: a
+    signal for this rank that arrives meanwhile is delivered to another thread or when the block ends,
+    not lost. The helper stays blocked for life; workers take over in guard_stop_signals.
+    multiprocessing's resource tracker (one per rank) is started here too, so it inherits the block."""
     stop = {*STOP_SIGNALS, signal.SIGTERM}
     old = signal.pthread_sigmask(signal.SIG_BLOCK, stop)
     try:
