@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest
 
 from hpctrain.config import config_to_toml, load_config
-from hpctrain.config.schema import SECTIONS, ConfigError, RunConfig, field_docs
+from hpctrain.config.schema import SECTIONS, RunConfig, field_docs
+from hpctrain.config.validate import ConfigError
 from hpctrain.errors import UserError
 from hpctrain.experiments.digits import DigitsExperiment, DigitsOptions
 

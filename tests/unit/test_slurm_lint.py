@@ -11,7 +11,7 @@ import pytest
 
 from hpctrain.cli import main
 from hpctrain.config.load import load_config
-from hpctrain.config.schema import ConfigError
+from hpctrain.config.validate import ConfigError
 from hpctrain.experiments import resolve_experiment
 from hpctrain.slurm import job
 from hpctrain.slurm.lint import Facts, NodeFacts, gres_gpus, lint

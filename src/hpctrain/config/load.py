@@ -17,7 +17,8 @@ from typing import Any, Literal, Mapping
 
 import tomli_w
 
-from hpctrain.config.schema import SECTIONS, ConfigError, RunConfig
+from hpctrain.config.schema import SECTIONS, RunConfig
+from hpctrain.config.validate import ConfigError
 from hpctrain.errors import UserError, did_you_mean
 
 if sys.version_info >= (3, 11):

@@ -187,11 +187,10 @@ class Watchdog(threading.Thread):
         try:
             snapshot = self.hb.snapshot()
             _write_json(self.dir / f"rank_{self.hb.rank}.json", snapshot)
-            limit = self.limits.for_beat(snapshot)
             if not self.limits.hang_s:
                 return
             self._arm_frozen_dump()
-            if time.time() - snapshot["since"] > limit and self._reported_since != snapshot["since"]:
+            if time.time() - snapshot["since"] > self.limits.for_beat(snapshot) and self._reported_since != snapshot["since"]:
                 self._reported_since = snapshot["since"]  # once per stall
                 self._report()
         except Exception:  # the watchdog must never take training down
