@@ -124,3 +124,14 @@ def test_validation_is_exact_for_any_world_size(tmp_path: Path):
         metrics[nproc] = [line for line in result.stdout.splitlines() if line.startswith("{")]
     assert len(metrics[1]) == 1 and metrics[1] == metrics[3]
     assert '"step": 5' in metrics[1][0]
+
+
+def test_in_training_validation_with_batch_norm_is_that_of_the_checkpoint_on_3_processes(tmp_path: Path):
+    """3 processes train with batch norm (each rank's running statistics are its own batches') and validate at
+    the end: the logged metrics are those of the checkpointed model evaluated in one process here, so they do
+    not depend on the world size. Without the buffer broadcast before validation they differ."""
+    train(tmp_path, 3, "model.norm=batch", "train.global_batch_size=30", "train.max_steps=6", "optim.warmup_steps=0")
+    logged = val_metrics(tmp_path)[6]
+    expected = digits_metrics(checkpoint_file(tmp_path))
+    assert logged[0] == pytest.approx(expected["loss"], rel=1e-5)
+    assert logged[1] == pytest.approx(expected["accuracy"], abs=1e-6)

@@ -249,3 +249,19 @@ def test_time_based_checkpoints_are_agreed_by_all_ranks(tmp_path: Path):
     saved = checkpoints(tmp_path)
     assert len(saved) > 2 and saved[-1] == "step_00000030"  # time-based ones, then the final one
     assert result.stderr.count("saved checkpoint") == len(saved)
+
+
+def test_a_slow_checkpoint_write_waits_on_the_control_plane_not_the_training_timeout(tmp_path: Path):
+    """Rank 0 takes 12 s in each checkpoint save (a slow shared file system) while dist.timeout_s is 5: the other
+    rank waits for it on the control plane (dist.control_timeout_s), and the run finishes. Before the split, that
+    wait was a broadcast on the training group and failed after 5 s."""
+    result = train(tmp_path, 2, "train.max_steps=8", "ckpt.every_steps=4", "dist.timeout_s=5",
+                   "dist.control_timeout_s=120", "fault.hang_timeout_s=0",
+                   fault="slow:rank=0:step=4:phase=checkpoint:seconds=12", timeout=200)
+    assert "Timed out" not in result.output and "timed out" not in result.output
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000004", "step_00000008"]
+
+
+def test_control_timeout_below_the_training_timeout_is_refused(tmp_path: Path):
+    result = train(tmp_path, 1, "dist.timeout_s=60", "dist.control_timeout_s=30", expect=2)
+    assert "dist.control_timeout_s" in result.stderr and "at least dist.timeout_s (60)" in result.stderr

@@ -43,11 +43,13 @@ class TrainSection:
     """End this launch after this optimizer step, with a checkpoint, keeping the schedule of the whole run
     (max_steps/epochs); a later launch resumes. For runs longer than one job allocation. 0: run to the end."""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    """auto: bf16 autocast on GPUs that support it, fp32 otherwise. fp16 uses a GradScaler."""
+    """auto: bf16 autocast on GPUs that compute it natively (Ampere and later), fp16 with a GradScaler on older GPUs
+    (V100, T4: emulated bf16 is slower than fp32), fp32 on CPUs. fp16 always uses a GradScaler."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
     compile: bool = False
-    """Run torch.compile on the model before wrapping it in DDP."""
+    """Run torch.compile on the DDP-wrapped model (torch's order for compiled DDP: gradient all-reduces overlap the
+    compiled backward). The first steps are slow while it compiles."""
     channels_last: bool = False
     """Use the channels_last memory format for 4-D inputs and weights (faster convolutions on tensor cores)."""
 
@@ -149,7 +151,13 @@ class DistSection:
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Process-group backend; auto: nccl with CUDA, gloo without."""
     timeout_s: int = 600
-    """Collective timeout in seconds: a rank stuck longer than this fails instead of hanging until the wall time."""
+    """Timeout in seconds of the training collectives (gradient all-reduce, the per-step stop vote, loss and metric
+    sums): a rank stuck longer than this fails instead of hanging until the wall time. Keep it tight."""
+    control_timeout_s: int = 3600
+    """Timeout in seconds of the control plane: barriers, object broadcasts, the wait for a checkpoint write on
+    rank 0 (a slow shared file system), the end-of-run wait while rank 0 writes plots and reports, checkpoint
+    selection and loading. These run on a separate gloo process group, so a slow file system does not turn a
+    finished run into an NCCL timeout. At least dist.timeout_s."""
     bucket_cap_mb: int = 25
     """DDP gradient bucket size in MiB."""
     find_unused_parameters: bool = False

@@ -59,6 +59,9 @@ def validate(cfg: RunConfig) -> None:
     _require(cfg.ckpt.every_steps >= 0, "ckpt.every_steps", "must be >= 0 (0: only at the end)")
     _require(cfg.ckpt.keep_last >= 1, "ckpt.keep_last", "must be >= 1: the latest checkpoint is always kept")
     _require(cfg.dist.timeout_s > 0, "dist.timeout_s", "must be positive")
+    _require(cfg.dist.control_timeout_s >= cfg.dist.timeout_s, "dist.control_timeout_s",
+             f"must be at least dist.timeout_s ({cfg.dist.timeout_s}): the control plane waits for slow work, "
+             "the training collectives must not wait longer")
     _require(cfg.ckpt.every_minutes >= 0, "ckpt.every_minutes", "must be >= 0 (0 disables time-based saves)")
     f = cfg.fault
     _require(0 < f.exit_code < 256, "fault.exit_code", "must be in 1..255")

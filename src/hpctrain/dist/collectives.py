@@ -1,9 +1,15 @@
-"""Small collective helpers that are no-ops for one process, so callers need no branches."""
+"""Small collective helpers that are no-ops for one process, so callers need no branches.
+
+Two planes. The data plane is the default group (NCCL on GPUs) with dist.timeout_s: what each step does
+(gradients, loss and metric sums), device tensors, a tight timeout. The control plane is runtime.control, a gloo
+group with dist.control_timeout_s: barriers and Python objects, waits that may include rank 0's file system
+(a checkpoint write, the end-of-run plots), never a device synchronisation."""
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -12,8 +18,9 @@ from hpctrain.dist.runtime import Runtime
 
 
 def barrier(runtime: Runtime) -> None:
+    """Control plane: every rank waits here, possibly for rank 0's file system."""
     if runtime.distributed:
-        dist.barrier()
+        dist.barrier(group=runtime.control)
 
 
 def all_reduce_sums(stats: Mapping[str, torch.Tensor | float], runtime: Runtime) -> dict[str, float]:
@@ -34,16 +41,27 @@ def broadcast_object(obj: Any, runtime: Runtime, src: int = 0) -> Any:
     if not runtime.distributed:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, device=runtime.device if runtime.backend == "nccl" else None)
+    # Pickled on the CPU and sent over gloo: on NCCL it would be copied to the GPU and back, synchronising it.
+    dist.broadcast_object_list(box, src=src, group=runtime.control)
     return box[0]
 
 
 def gather_objects(obj: Any, runtime: Runtime) -> list[Any]:
-    """Every rank's object, on every rank."""
+    """Every rank's object, on every rank (control plane). Costs world_size objects on every rank: where only
+    rank 0 needs them, gather_to_main."""
     if not runtime.distributed:
         return [obj]
     out: list[Any] = [None] * runtime.world_size
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=runtime.control)
+    return out
+
+
+def gather_to_main(obj: Any, runtime: Runtime) -> list[Any] | None:
+    """Every rank's object, on rank 0 (in rank order); None on the other ranks (control plane)."""
+    if not runtime.distributed:
+        return [obj]
+    out: list[Any] | None = [None] * runtime.world_size if runtime.is_main else None
+    dist.gather_object(obj, out, dst=0, group=runtime.control)
     return out
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from hpctrain.config.schema import DistSection
-from hpctrain.dist.env import LaunchInfo, detect_launch
+from hpctrain.dist.env import LaunchInfo, detect_launch, gpus_bound_per_task
 from hpctrain.errors import UserError, raised_on_every_rank
 
 log = logging.getLogger(__name__)
@@ -27,6 +27,11 @@ class Runtime(LaunchInfo):
     """The device this rank computes on (cuda:local_rank, or cpu)."""
     backend: str
     """Process-group backend ('nccl', 'gloo'), or '' for one process."""
+    control: dist.ProcessGroup | None = None
+    """The control plane: a gloo group with dist.control_timeout_s for barriers, object collectives and the stop
+    vote (CPU tensors: no device synchronisation). None for one process."""
+    timeout_s: float = 0.0
+    """The training collectives' timeout (dist.timeout_s); 0 for one process."""
 
     @property
     def is_main(self) -> bool:
@@ -38,27 +43,47 @@ class Runtime(LaunchInfo):
         return self.world_size > 1
 
 
-def choose_backend(requested: str, cuda: bool) -> str:
+def choose_backend(requested: str, cuda: bool, shared_gpu: bool = False) -> str:
+    """shared_gpu: the node's processes all run on its one GPU, where NCCL cannot go (it refuses two ranks of a
+    communicator on one device, "Duplicate GPU detected"): auto takes gloo there, which moves CUDA tensors
+    through host memory (slow, but right for trying multi-process code on a one-GPU machine)."""
     if requested == "auto":
-        return "nccl" if cuda else "gloo"
+        return "nccl" if cuda and not shared_gpu else "gloo"
     if requested == "nccl" and not cuda:
         raise UserError(
             "dist.backend='nccl' needs CUDA GPUs, and this process sees none",
             "use dist.backend=auto (gloo on CPU), or run on a GPU node.",
         )
+    if requested == "nccl" and shared_gpu:
+        raise UserError(
+            "dist.backend='nccl' with several processes on this node's one GPU: NCCL refuses two ranks on one device",
+            "start one process per GPU, or use dist.backend=auto (gloo) to run several processes on one GPU.",
+        )
     return requested
 
 
+def shares_one_gpu(launch: LaunchInfo, device: torch.device) -> bool:
+    """Several processes of this node, one visible GPU, and nobody bound GPUs per task: they all have the same one."""
+    return device.type == "cuda" and torch.cuda.device_count() == 1 and launch.local_world_size > 1 \
+        and not gpus_bound_per_task()
+
+
 def choose_device(launch: LaunchInfo) -> torch.device:
+    """cuda:LOCAL_RANK when the process sees every GPU of its node, cuda:0 when it sees exactly one (srun
+    --gpus-per-task=1, --gpu-bind=single:1, or a site that sets CUDA_VISIBLE_DEVICES per task)."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
     count = torch.cuda.device_count()
-    if launch.local_rank >= count:
-        raise UserError(
-            f"local rank {launch.local_rank} on {launch.hostname} has no GPU: only {count} visible",
-            "start at most one process per GPU (--nproc-per-node, slurm.gpus_per_node).",
-        )
-    return torch.device("cuda", launch.local_rank)
+    if count == 1:
+        return torch.device("cuda", 0)
+    if count >= launch.local_world_size and launch.local_rank < count:
+        return torch.device("cuda", launch.local_rank)
+    raise UserError(
+        f"local rank {launch.local_rank} of {launch.local_world_size} on {launch.hostname} sees {count} GPUs: "
+        "each process must see either one GPU (its own) or all of the node's",
+        "start at most one process per GPU (--nproc-per-node, slurm.gpus_per_node), and bind either one GPU per "
+        "task (slurm.launcher=srun with slurm.gpu_bind=per_task) or none (every GPU visible to every process).",
+    )
 
 
 def init_runtime(launch: LaunchInfo, cfg: DistSection) -> Runtime:
@@ -66,7 +91,11 @@ def init_runtime(launch: LaunchInfo, cfg: DistSection) -> Runtime:
     device = choose_device(launch)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    backend = choose_backend(cfg.backend, device.type == "cuda") if launch.world_size > 1 else ""
+    backend = choose_backend(cfg.backend, device.type == "cuda", shares_one_gpu(launch, device)) \
+        if launch.world_size > 1 else ""
+    if backend == "gloo" and device.type == "cuda" and launch.rank == 0:
+        log.warning("%d processes share this node's one GPU: gloo instead of NCCL (slow all-reduce)",
+                    launch.local_world_size)
     if backend:
         init_method = "env://" if launch.launcher == "torchrun" else f"tcp://{launch.master_addr}:{launch.master_port}"
         dist.init_process_group(
@@ -78,7 +107,23 @@ def init_runtime(launch: LaunchInfo, cfg: DistSection) -> Runtime:
             # Binding the device makes NCCL create its communicator eagerly and on the right GPU.
             device_id=device if backend == "nccl" else None,
         )
-    return Runtime(**dataclasses.asdict(launch), device=device, backend=backend)
+    control = _control_group(cfg) if backend else None
+    return Runtime(**dataclasses.asdict(launch), device=device, backend=backend, control=control,
+                   timeout_s=float(cfg.timeout_s) if backend else 0.0)
+
+
+def _control_group(cfg: DistSection) -> dist.ProcessGroup:
+    """A gloo group over all ranks with the control plane's longer timeout. Separate even when training runs on
+    gloo: the timeouts differ, and a wait for rank 0's file system must not count against the training one.
+    (Lightning and Accelerate also keep object collectives off NCCL; here the stop vote goes too.)"""
+    control = datetime.timedelta(seconds=cfg.control_timeout_s)
+    if not hasattr(dist, "set_timeout"):  # torch < 2.14
+        return dist.new_group(backend="gloo", timeout=control)
+    # Connecting (gloo's full mesh, now) gets the training timeout: a node whose hostname resolves to an address
+    # the others cannot reach (set GLOO_SOCKET_IFNAME) fails at start-up after dist.timeout_s, not an hour later.
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.timeout_s))
+    dist.set_timeout(control, group)
+    return group
 
 
 def single_process_runtime(device: torch.device | None = None) -> Runtime:
@@ -96,7 +141,7 @@ def shutdown(runtime: Runtime, meet: bool) -> None:
     if not (runtime.backend and dist.is_initialized()):
         return
     if meet:
-        dist.barrier()
+        dist.barrier(group=runtime.control)
     dist.destroy_process_group()
 
 

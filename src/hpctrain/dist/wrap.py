@@ -1,4 +1,4 @@
-"""Model placement and wrapping: device, memory format, compile, then DDP."""
+"""Model placement and wrapping: device, memory format, DDP, then compile."""
 
 from __future__ import annotations
 
@@ -17,10 +17,18 @@ def wrap_model(model: nn.Module, cfg: RunConfig, runtime: Runtime) -> nn.Module:
     model = model.to(runtime.device)
     if cfg.train.channels_last:
         model = model.to(memory_format=torch.channels_last)
+    if runtime.distributed:
+        model = _ddp(model, cfg, runtime)
     if cfg.train.compile:
+        # Compile the DDP module, not the other way round (torch's documented order): dynamo's DDPOptimizer then
+        # splits the graph at DDP's bucket boundaries, so each bucket's all-reduce starts while the backward of
+        # the earlier layers still runs. A compiled module inside DDP runs its whole backward as one graph, and
+        # every bucket fires only after it: no overlap of communication and compute.
         model = torch.compile(model)  # type: ignore[assignment]
-    if not runtime.distributed:
-        return model
+    return model
+
+
+def _ddp(model: nn.Module, cfg: RunConfig, runtime: Runtime) -> DDP:
     ddp = DDP(
         model,
         device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
@@ -35,8 +43,16 @@ def wrap_model(model: nn.Module, cfg: RunConfig, runtime: Runtime) -> nn.Module:
     return ddp
 
 
+def ddp_of(model: nn.Module) -> DDP | None:
+    """The DDP module of a wrapped model (under torch.compile too), or None for one process: its no_sync()
+    keeps gradients local during accumulation."""
+    model = getattr(model, "_orig_mod", model)
+    return model if isinstance(model, DDP) else None
+
+
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The plain module under DDP and torch.compile: what checkpoints and evaluation use."""
+    """The plain module under torch.compile and DDP: what checkpoints and evaluation use."""
+    model = getattr(model, "_orig_mod", model)
     if isinstance(model, DDP):
         model = model.module
-    return getattr(model, "_orig_mod", model)
+    return getattr(model, "_orig_mod", model)  # a model compiled inside DDP (not hpctrain's order; a user's)

@@ -8,10 +8,17 @@ and all ranks act on the all-reduced MAX, at the same step.
 The all-reduce is asynchronous: cast at boundary k, collected at boundary k+1,
 so its latency hides behind a step of compute instead of adding to every step.
 A stop therefore lands one step later than the signal, on every rank alike.
+
+It runs on the control plane (a gloo group, CPU tensors), not on NCCL: flags built from host memory and read
+back with .tolist() would be a host-to-device copy and a device synchronisation each step, the host waiting
+for every queued kernel before it could launch the next step's. On gloo the reduction runs in gloo's own
+threads and never touches the GPU. It waits at most dist.timeout_s (not the control plane's longer limit):
+ranks meet here every step, and a peer that has not arrived by then is lost, as in any training collective.
 """
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch
@@ -35,12 +42,13 @@ class StepVote:
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self._pending: tuple[torch.Tensor, object] | None = None
-        # gloo reduces CPU tensors, nccl device tensors.
-        self._device = runtime.device if runtime.backend == "nccl" else torch.device("cpu")
+        self._timeout = datetime.timedelta(seconds=runtime.timeout_s)
 
     def cast(self, stop_signal: int, save_due: bool) -> None:
-        flags = torch.tensor([float(stop_signal), float(save_due)], device=self._device)
-        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True) if self.runtime.distributed else None
+        flags = torch.tensor([float(stop_signal), float(save_due)])
+        work = None
+        if self.runtime.distributed:
+            work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.runtime.control, async_op=True)
         self._pending = (flags, work)
 
     def collect(self) -> Verdict:
@@ -50,6 +58,12 @@ class StepVote:
         flags, work = self._pending
         self._pending = None
         if work is not None:
-            work.wait()  # type: ignore[attr-defined]
+            try:
+                work.wait(self._timeout)  # type: ignore[attr-defined]
+            except RuntimeError as err:
+                raise RuntimeError(
+                    f"the step-boundary vote: not every rank arrived within dist.timeout_s={self.runtime.timeout_s:g} s "
+                    f"({err}); a peer is stuck or gone (see its log and the hang report)"
+                ) from err
         stop, due = flags.tolist()
         return Verdict(int(stop), bool(due))

@@ -32,7 +32,7 @@ class Precision:
 def resolve_precision(requested: str, device: torch.device) -> Precision:
     cuda = device.type == "cuda"
     if requested == "auto":
-        requested = "bf16" if cuda and torch.cuda.is_bf16_supported() else "fp32"
+        requested = auto_precision(device)
     if requested == "fp16" and not cuda:
         raise UserError(
             "train.precision='fp16' needs a GPU (fp16 autocast on CPU is slow and unscaled)",
@@ -40,3 +40,12 @@ def resolve_precision(requested: str, device: torch.device) -> Precision:
         )
     dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[requested]
     return Precision(requested, dtype, device.type)
+
+
+def auto_precision(device: torch.device) -> str:
+    """bf16 where the GPU computes it natively (Ampere and later), fp16 with loss scaling elsewhere (V100, T4):
+    emulated bf16 runs slower than fp32. fp32 on the CPU."""
+    if device.type != "cuda":
+        return "fp32"
+    with torch.cuda.device(device):
+        return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"

@@ -1,0 +1,131 @@
+"""GPU-path decisions made on the host, tested on CPU with a monkeypatched torch.cuda: device binding,
+precision choice, the stop vote's placement, the model wrapping order."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from hpctrain.dist.env import LaunchInfo
+from hpctrain.dist.runtime import choose_device
+from hpctrain.errors import UserError
+from hpctrain.train.precision import resolve_precision
+
+
+def launch(local_rank: int, local_world: int) -> LaunchInfo:
+    return LaunchInfo(rank=local_rank, world_size=local_world, local_rank=local_rank, local_world_size=local_world,
+                      node_rank=0, num_nodes=1, master_addr="127.0.0.1", master_port=0, hostname="node7",
+                      job_id="", launcher="srun")
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    def visible(count: int) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    return visible
+
+
+@pytest.mark.parametrize("local_rank", [0, 1, 3])
+def test_one_visible_gpu_per_task_is_cuda_0_for_every_local_rank(gpus, local_rank):
+    gpus(1)  # srun --gpus-per-task=1 / --gpu-bind=single:1 / CUDA_VISIBLE_DEVICES per task
+    assert choose_device(launch(local_rank, 4)) == torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("local_rank", [0, 1, 3])
+def test_all_gpus_visible_is_cuda_local_rank(gpus, local_rank):
+    gpus(4)
+    assert choose_device(launch(local_rank, 4)) == torch.device("cuda", local_rank)
+    gpus(8)  # fewer processes than GPUs: still one each
+    assert choose_device(launch(local_rank, 4)) == torch.device("cuda", local_rank)
+
+
+def test_some_but_not_all_gpus_visible_is_a_clear_error(gpus):
+    gpus(2)
+    with pytest.raises(UserError) as err:
+        choose_device(launch(3, 4))
+    assert "local rank 3 of 4 on node7 sees 2 GPUs" in str(err.value)
+    assert "either one GPU (its own) or all of the node's" in str(err.value)
+
+
+def test_no_gpu_is_the_cpu(gpus):
+    gpus(0)
+    assert choose_device(launch(1, 2)) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("native, emulated, expected", [
+    (True, True, "bf16"),    # Ampere, Hopper
+    (False, True, "fp16"),   # V100, T4: bf16 only emulated (slower than fp32)
+    (False, False, "fp16"),
+])
+def test_auto_precision_is_bf16_only_where_native(monkeypatch, native, emulated, expected):
+    def supported(including_emulation: bool = True) -> bool:
+        return native or (including_emulation and emulated)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", supported)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    p = resolve_precision("auto", torch.device("cuda", 0))
+    assert p.name == expected
+    assert p.dtype == {"bf16": torch.bfloat16, "fp16": torch.float16}[expected]
+    # fp16 needs loss scaling: the scaler is on exactly then.
+    assert p.build_scaler().is_enabled() == (expected == "fp16")
+
+
+def test_auto_precision_on_cpu_is_fp32():
+    p = resolve_precision("auto", torch.device("cpu"))
+    assert p.name == "fp32" and p.dtype is None
+
+
+@pytest.fixture
+def one_process_group(tmp_path):
+    """A real gloo group of one process, so DDP can be built in a unit test."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_compiled_ddp_is_compile_around_ddp(one_process_group, monkeypatch):
+    """torch's order for compiled DDP: DDP inside, torch.compile outside, so dynamo's DDPOptimizer splits the
+    graph at bucket boundaries and the all-reduces overlap the backward."""
+    import dataclasses
+
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hpctrain.config.load import load_config
+    from hpctrain.dist.runtime import single_process_runtime
+    from hpctrain.dist.wrap import ddp_of, unwrap_model, wrap_model
+    from hpctrain.experiments.digits import DigitsExperiment, DigitsOptions
+
+    cfg = load_config("digits", DigitsOptions, experiment_defaults=DigitsExperiment.defaults,
+                      overrides=["train.compile=true"])
+    runtime = dataclasses.replace(single_process_runtime(torch.device("cpu")), world_size=2)  # 'distributed'
+    module = nn.Linear(4, 2)
+    wrapped = wrap_model(module, cfg, runtime)
+    assert isinstance(wrapped, torch._dynamo.eval_frame.OptimizedModule)
+    assert isinstance(wrapped._orig_mod, DDP)
+    assert ddp_of(wrapped) is wrapped._orig_mod
+    assert unwrap_model(wrapped) is module
+    assert torch._dynamo.config.optimize_ddp  # the graph split at bucket boundaries is on
+
+
+def test_processes_sharing_the_nodes_one_gpu_use_gloo_not_nccl(gpus, monkeypatch):
+    """NCCL refuses two ranks on one device ("Duplicate GPU detected"); per-task binding (CUDA_VISIBLE_DEVICES set
+    by Slurm) gives each its own GPU, which then is its cuda:0."""
+    from hpctrain.dist.runtime import choose_backend, shares_one_gpu
+
+    gpus(1)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    cuda0 = torch.device("cuda", 0)
+    assert shares_one_gpu(launch(1, 2), cuda0)
+    assert choose_backend("auto", True, shared_gpu=True) == "gloo"
+    with pytest.raises(UserError, match="NCCL refuses two ranks on one device"):
+        choose_backend("nccl", True, shared_gpu=True)
+    assert not shares_one_gpu(launch(0, 1), cuda0)  # one process: nothing shared
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # bound per task
+    assert not shares_one_gpu(launch(1, 2), cuda0)
+    assert choose_backend("auto", True, shared_gpu=False) == "nccl"
