@@ -3,7 +3,9 @@
 Each job is submitted with `hpctrain slurm submit` and runs `digits` on 2 nodes x 2 gloo
 processes. What is checked is what users lose days to: that both nodes really train, that
 the result equals a local run, that preemption ends in a requeued job that finishes with the
-same weights, and that a dead worker ends the job quickly with its host named."""
+same weights, and that a dead worker ends the job quickly with its host named. The srun launcher
+(slurm.launcher=srun: one task per process, no torchrun) runs 2 nodes x 1 process: pre-flight, training,
+and the preemption path."""
 
 from __future__ import annotations
 
@@ -169,3 +171,56 @@ def test_preflight_runs_on_both_nodes_first_and_a_failure_stops_the_job(cluster,
     assert cluster.wait_job(bad, ("COMPLETED", "FAILED", "CANCELLED"), timeout=150)["JobState"] == "FAILED"
     assert "the pre-flight failed, not training" in job_log(bad_dir)
     assert not (bad_dir / "metrics.jsonl").exists(), "training must not start after a failed pre-flight"
+
+
+SRUN_MODE = ["slurm.launcher=srun", "slurm.nodes=2", "slurm.gpus_per_node=1", "slurm.gpus=false",
+             "slurm.cpus_per_task=2", "slurm.monitor_every_s=1", "log.every_steps=5", "data.num_workers=0",
+             "fault.heartbeat_every_s=1", "ckpt.every_minutes=30"]
+
+
+def submit_srun_mode(cluster, run_dir: Path, *overrides: str) -> str:
+    res = run_hpctrain(["slurm", "submit", "digits", f"run.dir={run_dir}", *SRUN_MODE, *overrides],
+                       env={"SLURM_CONF": str(cluster.conf)}, cwd=run_dir.parent, timeout=60)
+    assert res.returncode == 0, res.output
+    return res.stdout.strip().splitlines()[-1]
+
+
+def test_srun_launcher_job_trains_on_both_nodes_without_torchrun(cluster, tmp_path):
+    """slurm.launcher=srun: Slurm starts the training processes itself (one task per process, here 2 nodes x 1
+    on CPU nodes), they meet at the first node over tcp://, and each node's first task runs the monitors; the
+    pre-flight runs the same way first."""
+    run_dir = tmp_path / "srun-launcher"
+    job_id = submit_srun_mode(cluster, run_dir, "train.max_steps=10", "eval.every_steps=10", "slurm.preflight=true",
+                              "slurm.preflight_args=['--max-size', '64KiB', '--max-straggler', '1000']")
+    fields = cluster.wait_job(job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), timeout=90)
+    log = job_log(run_dir)
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", f"{fields}\n{log}"
+    launch = (run_dir / "slurm" / f"launch_{job_id}.sh").read_text()
+    assert "--ntasks-per-node=1" in launch and "hpctrain.slurm.task" in launch and "torchrun" not in launch
+    report = json.loads((run_dir / "preflight" / job_id / "preflight.json").read_text())
+    assert report["world_size"] == 2 and {r["host"] for r in report["ranks"]} == {"node1", "node2"}
+    beats = [json.loads(p.read_text()) for p in (run_dir / "heartbeat").glob("rank_*.json")]
+    assert {(b["rank"], b["host"]) for b in beats} == {(0, "node1"), (1, "node2")}
+    assert "2 process(es) on 2 node(s)" in log
+    assert {p.name for p in (run_dir / "monitor").glob("top_*.log")} == {"top_node1.log", "top_node2.log"}
+    assert val_records(run_dir)[-1]["step"] == 10
+
+
+def test_srun_launcher_preemption_signal_reaches_every_task_and_the_job_resumes(cluster, tmp_path):
+    """The warning signal in srun mode: batch shell -> srun -> every task (no torchrun between), save, requeue."""
+    run_dir = tmp_path / "srun-preempted"
+    job_id = submit_srun_mode(cluster, run_dir, "train.max_steps=30", "eval.every_steps=30",
+                              "slurm.env=['HPCTRAIN_FAULT=hang:rank=0:step=10:seconds=4']")
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 90
+    while not (metrics.exists() and any(r["step"] >= 10 for r in read_jsonl(metrics))):
+        assert time.monotonic() < deadline, f"no progress: {cluster.job(job_id)}\n{job_log(run_dir)}"
+        time.sleep(0.2)
+    res = run_hpctrain(["slurm", "cancel", str(run_dir), "--signal=USR2"], env={"SLURM_CONF": str(cluster.conf)})
+    assert res.returncode == 0, res.output
+    fields = cluster.wait_job(job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), timeout=120)
+    log = job_log(run_dir)
+    assert fields["JobState"] == "COMPLETED" and int(fields["Restarts"]) == 1, f"{fields}\n{log}"
+    assert "got SIGUSR2, passing it to the job step" in log
+    assert "stopped by SIGUSR2" in log and "resumed from" in log
+    assert val_records(run_dir)[-1]["step"] == 30

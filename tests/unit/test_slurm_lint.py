@@ -35,6 +35,20 @@ def test_a_sensible_job_has_no_findings():
     assert findings("slurm.nodes=2", "slurm.gpus_per_node=2", "ckpt.every_minutes=30")[0] == set()
 
 
+def test_srun_launcher():
+    assert findings("slurm.launcher=srun", "slurm.nodes=2", "slurm.gpus_per_node=2", "ckpt.every_minutes=30")[0] == set()
+    assert findings("slurm.launcher=srun", "slurm.gpus=false", "slurm.gpus_per_node=2", "slurm.cpus_per_task=2",
+                    "ckpt.every_minutes=30")[0] == set()
+    # each srun task gets cpus_per_task / gpus_per_node CPUs: a remainder would sit idle
+    keys, found = findings("slurm.launcher=srun", "slurm.gpus_per_node=4", "slurm.cpus_per_task=10")
+    assert ("warning", "slurm.cpus_per_task") in keys
+    assert "each gets 2 (--cpus-per-task), 2 stay idle" in next(f.message for f in found if f.key == "slurm.cpus_per_task")
+    # torchrun's one task per node takes them all; too few for the tasks is the error of the CPU check
+    assert ("warning", "slurm.cpus_per_task") not in findings("slurm.gpus_per_node=4", "slurm.cpus_per_task=10")[0]
+    keys = findings("slurm.launcher=srun", "slurm.gpus_per_node=4", "slurm.cpus_per_task=3")[0]
+    assert ("error", "slurm.cpus_per_task") in keys and ("warning", "slurm.cpus_per_task") not in keys
+
+
 def test_batch_not_divisible_by_the_new_world_size():
     keys, found = findings("slurm.nodes=3", "slurm.gpus_per_node=2", "ckpt.every_minutes=30")
     assert ("error", "train.global_batch_size") in keys
@@ -115,6 +129,12 @@ HINTED = [
     (["slurm.gpus_per_node=4", "slurm.cpus_per_task=2"], None, ("error", "slurm.cpus_per_task")),
     (["slurm.gpus_per_node=4", "slurm.cpus_per_task=8", "data.num_workers=4"], None, ("warning", "data.num_workers")),
     (["slurm.time=2", "slurm.signal_lead_s=300"], None, ("error", "slurm.signal_lead_s")),
+    # srun tasks: a multiple of the tasks, below (always fits) or above where the partition's nodes have it
+    (["slurm.launcher=srun", "slurm.gpus_per_node=4", "slurm.cpus_per_task=10"], None, ("warning", "slurm.cpus_per_task")),
+    (["slurm.launcher=srun", "slurm.gpus_per_node=4", "slurm.cpus_per_task=10"], [(12, 4, 2)],
+     ("warning", "slurm.cpus_per_task")),
+    (["slurm.launcher=srun", "slurm.gpus_per_node=4", "slurm.cpus_per_task=10"], [(11, 4, 2)],
+     ("warning", "slurm.cpus_per_task")),
     (["slurm.time=3", "slurm.signal_lead_s=20"], None, ("warning", "slurm.signal_lead_s")),
     (["slurm.time=0:30", "ckpt.every_minutes=60", "ckpt.every_steps=0"], None, ("warning", "ckpt.every_minutes")),
 ]

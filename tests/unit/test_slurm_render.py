@@ -38,6 +38,11 @@ SHAPES = {
     "nccl_none": dict(nodes=2, nccl="none", nccl_debug=""),
     "cpu_only": dict(nodes=2, gpus_per_node=2, gpus=False, cpus_per_task=2, monitor_every_s=0),
     "preflight": dict(nodes=2, gpus_per_node=4, preflight=True, preflight_args=("--min-busbw", "20")),
+    # slurm.launcher=srun: one task per GPU, bound per task; a typed gres, the pre-flight the same way
+    "srun_gpus": dict(nodes=2, gpus_per_node=4, launcher="srun", gpu_type="a100", cpus_per_task=32, preflight=True,
+                      preflight_args=("--min-busbw", "20")),
+    "srun_cpu_only": dict(nodes=2, gpus_per_node=2, gpus=False, cpus_per_task=2, launcher="srun"),
+    "srun_one_node_unbound": dict(nodes=1, gpus_per_node=2, launcher="srun", gpu_bind="none", port=23456),
 }
 
 
@@ -65,6 +70,67 @@ def test_multi_node_script_has_the_pieces_the_guides_leave_out():
     assert "#SBATCH --open-mode=append" in text and "#SBATCH --requeue" in text
     assert "#SBATCH --signal=B:USR2@120" in text and "kill -USR2" in text
     assert "--rdzv-backend=c10d" in text and "--standalone" not in text
+
+
+def _line(text: str, prefix: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith(prefix))
+
+
+def test_srun_launcher_runs_one_task_per_gpu_each_bound_to_one():
+    text = render_script(spec(**SHAPES["srun_gpus"]))
+    # the allocation: one task per GPU, a quarter of the node's 32 CPUs each, GPUs as in torchrun mode
+    assert "#SBATCH --ntasks-per-node=4\n#SBATCH --cpus-per-task=8\n#SBATCH --gres=gpu:a100:4\n" in text
+    assert "export SRUN_CPUS_PER_TASK=8" in text and "export OMP_NUM_THREADS=4" in text
+    step = "srun --kill-on-bad-exit=1 --ntasks-per-node=4 --cpus-per-task=8 --gpu-bind=per_task:1 /home/user/venv/bin/python"
+    assert _line(text, "LAUNCH=(").startswith(f"LAUNCH=({step} -u -m hpctrain.slurm.task train digits --config")
+    assert _line(text, "PREFLIGHT=(").startswith(f"PREFLIGHT=({step} -u -m hpctrain.slurm.task doctor --perf")
+    # no torchrun, and no second GPU request beside the job's --gres (see render.gpu_binding)
+    assert "torchrun" not in text.replace("no torchrun", "") and "rdzv" not in text
+    assert "--gpus-per-task" not in text and "--gpus-per-node" not in text and "single:" not in text
+    assert 'export MASTER_ADDR="${NODES[0]}"' in text and "MASTER_PORT=$(( 15000 + SLURM_JOB_ID % 15000 ))" in text
+    assert "kill -USR2 \"${SRUN_PID:-}\"" in text  # the warning signal still goes to srun, which signals every task
+    assert "HPCTRAIN_MONITOR_DIR" in text  # started by each node's first task (hpctrain.slurm.task)
+
+
+def test_srun_launcher_on_cpu_nodes_binds_no_gpus():
+    text = render_script(spec(**SHAPES["srun_cpu_only"]))
+    assert "--gres" not in text and "--gpu-bind" not in text
+    assert "#SBATCH --ntasks-per-node=2\n#SBATCH --cpus-per-task=1\n" in text
+    assert "LAUNCH=(srun --kill-on-bad-exit=1 --ntasks-per-node=2 --cpus-per-task=1 /home/user/venv/bin/python -u " \
+           "-m hpctrain.slurm.task train" in text
+
+
+def test_srun_launcher_unbound_and_on_one_node():
+    text = render_script(spec(**SHAPES["srun_one_node_unbound"]))
+    assert "--gres=gpu:2" in text and "--gpu-bind" not in text  # every task sees both GPUs, takes cuda:LOCAL_RANK
+    assert "--standalone" not in text  # srun tasks meet at the first node, on slurm.port when given
+    assert 'export MASTER_ADDR="${NODES[0]}"' in text and "export MASTER_PORT=23456" in text
+
+
+def test_srun_task_entry_runs_the_node_monitors_in_the_first_task_only(monkeypatch):
+    from contextlib import contextmanager
+
+    from hpctrain.slurm import task
+
+    calls = []
+
+    @contextmanager
+    def monitors():
+        calls.append("monitors")
+        yield []
+
+    monkeypatch.setattr(task, "node_monitors", monitors)
+    monkeypatch.setattr(task, "hpctrain_main", lambda argv: calls.append(list(argv)) or 7)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    slurm = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "4", "SLURM_NODEID": "0", "SLURM_STEP_NODELIST": "n[1-2]",
+             "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}
+    for local_id, expected in (("0", ["monitors", ["train", "digits"]]), ("1", [["train", "digits"]])):
+        calls.clear()
+        for k, v in {**slurm, "SLURM_LOCALID": local_id}.items():
+            monkeypatch.setenv(k, v)
+        assert task.main(["train", "digits"]) == 7  # the hpctrain command's exit code, unchanged
+        assert calls == expected
 
 
 def test_single_node_uses_standalone_rendezvous():
@@ -97,7 +163,8 @@ env > "{out}/$(basename "$0").env"
 """
 
 
-def test_hostile_values_cannot_inject_commands_and_reach_the_job_literally(tmp_path):
+@pytest.mark.parametrize("launcher", ["torchrun", "srun"])
+def test_hostile_values_cannot_inject_commands_and_reach_the_job_literally(tmp_path, launcher):
     """Run the script for real in bash, with srun/scontrol/sstat/sacct replaced by recording stubs."""
     marker = tmp_path / "INJECTED"
     hostile = HOSTILE.format(marker=marker)
@@ -107,10 +174,11 @@ def test_hostile_values_cannot_inject_commands_and_reach_the_job_literally(tmp_p
     bin_dir.mkdir()
     out.mkdir()
     for name in ("srun", "scontrol", "sstat", "sacct"):
-        (bin_dir / name).write_text(STUB.format(out=out))
+        # scontrol show hostnames: the one node (srun mode exports MASTER_ADDR even on one node)
+        (bin_dir / name).write_text(STUB.format(out=out) + ("echo node1\n" if name == "scontrol" else ""))
         (bin_dir / name).chmod(0o755)
     s = dataclasses.replace(
-        spec(nodes=1, env=(f"USER_NOTE={hostile}",), setup=()),
+        spec(nodes=1, env=(f"USER_NOTE={hostile}",), setup=(), launcher=launcher),
         job_name=hostile, run_dir=str(run_dir), workdir=str(tmp_path), python=hostile, venv="",
         experiment=hostile,
     )
@@ -127,3 +195,5 @@ def test_hostile_values_cannot_inject_commands_and_reach_the_job_literally(tmp_p
     assert f"USER_NOTE={hostile}" in (out / "srun.env").read_text().splitlines()
     assert (run_dir / "slurm" / "config_42.toml").read_text() == CONFIG
     assert (run_dir / "slurm" / "launch_42.sh").exists()
+    if launcher == "srun":
+        assert "MASTER_ADDR=node1" in (out / "srun.env").read_text().splitlines()

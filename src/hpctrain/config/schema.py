@@ -214,16 +214,30 @@ class SlurmSection:
     qos: str = ""
     """Quality of service (--qos). Empty: the default."""
     nodes: int = 1
-    """Number of nodes. One launcher (torchrun) runs per node."""
+    """Number of nodes. With slurm.launcher=torchrun one launcher (torchrun) runs per node."""
     gpus_per_node: int = 1
     """Training processes per node, one per GPU. With slurm.gpus=false (CPU-only nodes) the number of gloo
     processes per node."""
+    launcher: Literal["torchrun", "srun"] = "torchrun"
+    """How the job starts its processes. torchrun: one torchrun per node (a Slurm task of its own) starts the
+    node's slurm.gpus_per_node processes, forwards signals to them and names the worker that failed first. srun:
+    Slurm starts slurm.gpus_per_node tasks per node, each running hpctrain directly (rank from SLURM_PROCID,
+    rendezvous at the first node), GPUs bound per slurm.gpu_bind: for sites that bind one GPU per task. The
+    README's Slurm section lists what differs (failure report, alerts)."""
+    gpu_bind: Literal["per_task", "none"] = "per_task"
+    """GPU binding of slurm.launcher=srun tasks (with slurm.gpus=true; otherwise unused). per_task: each task is
+    bound to one of the node's GPUs (srun --gpu-bind=per_task:1, Slurm 21.08 or later) and sees only it, as
+    cuda:0. none: every task sees all of the node's GPUs and uses cuda:LOCAL_RANK; choose it where confining
+    each task to its bound GPU (cgroup devices) blocks direct GPU-to-GPU (NVLink) transfers between a node's
+    processes."""
     gpus: bool = True
     """Request GPUs (--gres=gpu[:TYPE]:N). false for CPU-only nodes: no --gres, gloo processes."""
     gpu_type: str = ""
     """GPU type in the gres request (e.g. a100 gives --gres=gpu:a100:N). Empty: any GPU."""
     cpus_per_task: int = 0
-    """CPUs for each node's launcher and all its processes and loader workers. 0: 8 per process."""
+    """CPUs per node for the training: the node's launcher, all its processes and their loader workers. With
+    slurm.launcher=srun each of the node's tasks gets an equal share (--cpus-per-task=this/gpus_per_node).
+    0: 8 per process."""
     mem: str = ""
     """Memory per node (--mem, e.g. 200G; 0 means all of the node). Empty: the cluster's default."""
     time: str = "01:00:00"
@@ -257,7 +271,8 @@ class SlurmSection:
     GPUDirect RDMA up to the PCIe host bridge; ethernet: NCCL_NET=Socket, InfiniBand off; none: set nothing and
     let NCCL detect the network."""
     nccl_socket_ifname: str = ""
-    """NCCL_SOCKET_IFNAME (e.g. ib0, or ^lo,docker for 'not these'). Empty: let NCCL choose."""
+    """NCCL_SOCKET_IFNAME (e.g. ib0, or ^lo,docker for 'not these'). A plain interface list is also set as
+    GLOO_SOCKET_IFNAME, for hpctrain's control-plane gloo group. Empty: let NCCL (and gloo) choose."""
     nccl_debug: Literal["", "VERSION", "WARN", "INFO", "TRACE"] = "WARN"
     """NCCL_DEBUG level. WARN keeps logs small but shows errors; INFO to debug the network setup."""
     env: tuple[str, ...] = ()

@@ -62,7 +62,7 @@ class Facts:
 
 def lint(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
     findings: list[Finding] = []
-    for check in (_batch, _cpus, _time, _run_dir, _environment, _partition):
+    for check in (_batch, _cpus, _srun_share, _time, _run_dir, _environment, _partition):
         findings += check(cfg, spec, facts)
     return sorted(findings, key=lambda f: f.level != "error")
 
@@ -90,6 +90,22 @@ def _cpus(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
                         f"{cpus} CPUs per node; they will share CPUs and the loader may starve the GPUs",
                         _fewer_workers_hint(procs, workers, cpus, most, _where(s)))]
     return []
+
+
+def _srun_share(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
+    """slurm.launcher=srun splits the node's CPUs into one --cpus-per-task share per task: a remainder sits idle."""
+    s, procs = cfg.slurm, cfg.slurm.gpus_per_node
+    cpus = cpus_per_task(s)
+    if s.launcher != "srun" or cpus < procs or cpus % procs == 0:  # too few CPUs: _cpus reports it
+        return []
+    share, most = cpus // procs, node_cpus(s, facts)
+    options = [f"slurm.cpus_per_task={share * procs}"]
+    if most and (share + 1) * procs <= most:
+        options.append(f"slurm.cpus_per_task={(share + 1) * procs}")
+    return [Finding("warning", "slurm.cpus_per_task",
+                    f"{cpus} CPUs per node do not divide among {procs} srun tasks: each gets {share} "
+                    f"(--cpus-per-task), {cpus - share * procs} stay idle",
+                    "use a multiple of slurm.gpus_per_node: " + " or ".join(options))]
 
 
 def _more_cpus_hint(procs: int, workers: int, most: int, where: str) -> str:

@@ -17,6 +17,19 @@ node list, c10d rendezvous), plus what they leave out and users get wrong:
   embedded (a later edit of the TOML file cannot change a requeued run); the exact launch
   command is saved in the run dir.
 
+Two launchers (slurm.launcher):
+
+- ``torchrun`` (default): one task per node runs ``hpctrain.dist.torchrun_main``, which starts the node's
+  processes, forwards signals to them, runs the node monitors, and maps a failure to the first failed worker's
+  exit code and one alert.
+- ``srun``: one task per process (``--ntasks-per-node=G`` in sbatch and srun, ``--cpus-per-task`` a G-th of the
+  node's CPUs), each running ``python -m hpctrain.slurm.task`` = ``python -m hpctrain`` (plus the node monitors
+  in each node's first task); hpctrain reads its rank from SLURM_PROCID/SLURM_LOCALID/SLURM_STEP_NUM_TASKS and
+  meets at MASTER_ADDR:MASTER_PORT (tcp://). srun and slurmstepd deliver the signals to every task themselves;
+  a failure ends the step through ``--kill-on-bad-exit`` with srun's exit code (the highest of the tasks'), and
+  each rank that fails with an error sends its own alert (one killed without a word, e.g. by the OOM killer,
+  sends none: there is no launcher to notice).
+
 Every user value is quoted: for the shell with :func:`shlex.quote`, and on ``#SBATCH``
 lines in sbatch's own double-quote syntax. Values cannot hold newlines (the config rejects
 control characters), so nothing can end a line early.
@@ -71,7 +84,36 @@ def q(value: str) -> str:
 
 
 def cpus_per_task(s: SlurmSection) -> int:
+    """CPUs per node for the training (slurm.cpus_per_task, whatever the launcher)."""
     return s.cpus_per_task or 8 * s.gpus_per_node
+
+
+def tasks_per_node(s: SlurmSection) -> int:
+    """Slurm tasks per node: one torchrun, or (srun) one per process."""
+    return s.gpus_per_node if s.launcher == "srun" else 1
+
+
+def task_cpus(s: SlurmSection) -> int:
+    """--cpus-per-task: the node's CPUs, or (srun) each task's equal share of them (lint warns about a remainder)."""
+    return max(1, cpus_per_task(s) // tasks_per_node(s))
+
+
+def gpu_binding(s: SlurmSection) -> list[str]:
+    """srun's GPU binding option for srun-launched tasks ([] for none).
+
+    ``--gpu-bind=per_task:1`` and no GPU request on the step: the step inherits the job's GPUs on each node
+    (``#SBATCH --gres=gpu[:TYPE]:G``, as in torchrun mode) and Slurm hands them out in order, one per task
+    (CUDA_VISIBLE_DEVICES, and the device cgroup where ConstrainDevices is set). Not ``--gpus-per-task=1``: it
+    is a second GPU request beside the job's ``--gres=gpu``, which Slurm handles differently across versions
+    (an untyped step request in a typed ``--gres=gpu:a100:G`` job fails with "Step requested GRES (gpu:(null))
+    not found in the job" on 23.02; ``--gpus-per-node`` and ``--gres=gpu`` are mutually exclusive, a fatal
+    error in current releases; 21.08 changed what --gpus-per-task binds). Not ``--gpu-bind=single:1``: it picks
+    by the task's CPU socket affinity (gres.conf Cores), and where that does not match the GPUs slurmstepd
+    reports an error and binds the task to the allocation's first GPU, so tasks share one GPU; it also had
+    wrong-GPU bugs fixed in 22.05 and 23.02. per_task:1 exists since 21.08 (older releases are out of support)."""
+    if s.launcher != "srun" or not s.gpus or s.gpu_bind == "none":
+        return []
+    return ["--gpu-bind=per_task:1"]
 
 
 def rendezvous_port(s: SlurmSection) -> str:
@@ -107,8 +149,8 @@ def _sbatch_lines(spec: JobSpec) -> str:
     opts: list[tuple[str, str | None]] = [
         ("--job-name", spec.job_name),
         ("--nodes", str(s.nodes)),
-        ("--ntasks-per-node", "1"),
-        ("--cpus-per-task", str(cpus_per_task(s))),
+        ("--ntasks-per-node", str(tasks_per_node(s))),
+        ("--cpus-per-task", str(task_cpus(s))),
     ]
     if s.gpus:
         opts.append(("--gres", f"gpu:{s.gpu_type + ':' if s.gpu_type else ''}{s.gpus_per_node}"))
@@ -157,18 +199,18 @@ def _environment(spec: JobSpec) -> str:
         # activate scripts read unset variables; set -u would stop the job
         lines += ["set +u", f"source {q(spec.venv + '/bin/activate')}", "set -u"]
     lines += list(s.setup)
-    per_task = cpus_per_task(s)
     lines += [
         "# srun does not inherit --cpus-per-task since Slurm 22.05: pass it on, or every task gets one CPU",
-        f"export SRUN_CPUS_PER_TASK={per_task}",
+        f"export SRUN_CPUS_PER_TASK={task_cpus(s)}",
         "# half of each process's CPUs for its own threads, the other half for its loader workers",
-        f"export OMP_NUM_THREADS={max(1, per_task // s.gpus_per_node // 2)}",
+        f"export OMP_NUM_THREADS={max(1, cpus_per_task(s) // s.gpus_per_node // 2)}",
         "export PYTHONUNBUFFERED=1",
     ]
     lines += [f"export {name}={q(value)}" for name, _, value in (e.partition("=") for e in s.env)]
     if s.monitor_every_s:
+        who = "each node's first task (SLURM_LOCALID 0)" if s.launcher == "srun" else "each node's launcher"
         lines += [
-            "# each node's launcher records top (and nvidia-smi dmon) into the run dir and stops them on exit",
+            f"# {who} records top (and nvidia-smi dmon) into the run dir and stops them on exit",
             'export HPCTRAIN_MONITOR_DIR="$RUN_DIR/monitor"',
             f"export HPCTRAIN_MONITOR_EVERY={s.monitor_every_s}",
         ]
@@ -191,9 +233,13 @@ def _network(spec: JobSpec) -> str:
     lines += [f"export {k}={v}" for k, v in NCCL_PRESETS[preset]]
     if s.nccl_socket_ifname:
         lines.append(f"export NCCL_SOCKET_IFNAME={q(s.nccl_socket_ifname)}")
+        if not s.nccl_socket_ifname.startswith(("^", "=")):
+            # hpctrain's control plane is a gloo group: the same interface, or gloo binds to whatever the hostname
+            # resolves to (127.0.1.1 on many images) and the other nodes cannot connect. gloo takes no '^' syntax.
+            lines.append(f"export GLOO_SOCKET_IFNAME={q(s.nccl_socket_ifname)}")
     if s.nccl_debug:
         lines.append(f"export NCCL_DEBUG={s.nccl_debug}")
-    if s.nodes > 1:
+    if s.nodes > 1 or s.launcher == "srun":  # srun tasks meet there even on one node (hpctrain.dist.env)
         lines += [
             'mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
             'export MASTER_ADDR="${NODES[0]}"',
@@ -227,11 +273,14 @@ def launcher_args(spec: JobSpec, rdzv_id: str = '"$SLURM_JOB_ID"') -> list[str]:
 
 
 def _step_prefix(spec: JobSpec, rdzv_id: str = '"$SLURM_JOB_ID"') -> list[str]:
-    """srun + container + torchrun, up to the hpctrain command: the same for the pre-flight and the training."""
+    """srun + container + torchrun (or, with slurm.launcher=srun, the per-task entry), up to the hpctrain command:
+    the same for the pre-flight and the training."""
     s = spec.slurm
     python = spec.python if not s.container else (spec.python if spec.slurm.python else "python")
-    cmd = ["srun", "--kill-on-bad-exit=1", "--ntasks-per-node=1", f"--cpus-per-task={cpus_per_task(s)}"]
-    cmd += _container_prefix(spec)
+    cmd = ["srun", "--kill-on-bad-exit=1", f"--ntasks-per-node={tasks_per_node(s)}", f"--cpus-per-task={task_cpus(s)}"]
+    cmd += gpu_binding(s) + _container_prefix(spec)
+    if s.launcher == "srun":
+        return cmd + [q(python), "-u", "-m", "hpctrain.slurm.task"]
     return cmd + [q(python), "-u", "-m", "hpctrain.dist.torchrun_main"] + launcher_args(spec, rdzv_id) + ["-m", "hpctrain"]
 
 
@@ -266,9 +315,16 @@ def _container_prefix(spec: JobSpec) -> list[str]:
 
 def _launch(spec: JobSpec) -> str:
     cmd = _step_prefix(spec) + ["train", q(spec.experiment), '--config "$CONFIG"']
+    s = spec.slurm
+    if s.launcher == "srun":
+        bound = (", each bound to one GPU" if gpu_binding(s) else ", each seeing all of the node's GPUs") if s.gpus else ""
+        tasks = f"{s.gpus_per_node} tasks" if s.gpus_per_node > 1 else "1 task"
+        title = f"# --- launch: {tasks} per node, one per process{bound} (srun, no torchrun) ---"
+    else:
+        title = "# --- launch: one torchrun per node ---"
     lines = _preflight(spec) + [
         "",
-        "# --- launch: one torchrun per node ---",
+        title,
         "LAUNCH=(" + " ".join(cmd) + ")",
         'printf "%q " "${LAUNCH[@]}" > "$RUN_DIR/slurm/launch_$SLURM_JOB_ID.sh"',
         'echo "hpctrain: launching: $(cat "$RUN_DIR/slurm/launch_$SLURM_JOB_ID.sh")"',
