@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 # (not PIP_QUIET: pip reads that name from the environment itself)
 PIPFLAGS ?= -q
 
-.PHONY: setup slurm-deps demo test test-unit test-dist test-slurm clean-runs
+.PHONY: setup slurm-deps demo test test-unit test-dist test-slurm clean-runs gpu-check
 
 setup: $(VENV)/.installed
 
@@ -40,3 +40,11 @@ test-dist: setup
 
 test-slurm: setup slurm-deps
 	$(PY) -m pytest tests/slurm
+
+# Everything only a GPU shows (tests/gpu, 1 and 2 processes, the overhead, checkpoint and pre-flight benchmarks on
+# the GPU), under 20 minutes on one H100, into one folder with a summary table; without CUDA every stage is skipped.
+# make gpu-check GPU_CHECK_DIR=path GPU_CHECK_ARGS='--only tests-gpu,doctor-perf'
+GPU_CHECK_DIR ?=
+GPU_CHECK_ARGS ?=
+gpu-check: setup
+	$(PY) benchmarks/gpu_check.py $(if $(GPU_CHECK_DIR),--out '$(GPU_CHECK_DIR)') $(GPU_CHECK_ARGS)

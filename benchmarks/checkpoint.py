@@ -2,6 +2,8 @@
 
     python benchmarks/checkpoint.py [--repeats 5] [--dir DIR] [--device cpu|cuda]
 
+On a GPU machine it runs on cuda by default (batch 128; the save copies device to host).
+
 State: the DDPM U-Net of the reference experiment (35.7M parameters) with AdamW moments and EMA
 weights, as hpctrain's Checkpointer saves it (model.pt, optim.pt, ema.pt, rng.pt, ...; sha256 and
 fsync included). One process; the saves of the two modes are interleaved. For each save:
@@ -104,8 +106,10 @@ def main() -> None:
                 torch.cuda.synchronize()
             resume.append(time.perf_counter() - started)
     params = sum(t.numel() for t in stateful["model"].parameters())
-    print(f"\nDDPM U-Net {params / 1e6:.1f}M parameters + AdamW + EMA: checkpoint {size / 1e6:,.0f} MB; device {device}, "
-          f"batch {batch}; median [min, max] of {args.repeats}, ms\n")
+    name = f"{device} ({torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda})" if device.type == "cuda" \
+        else "cpu"
+    print(f"\nDDPM U-Net {params / 1e6:.1f}M parameters + AdamW + EMA: checkpoint {size / 1e6:,.0f} MB; device {name}, "
+          f"torch {torch.__version__}, batch {batch}; median [min, max] of {args.repeats}, ms\n")
     print("| mode | stall per save | save to complete on disk | training step during the write |")
     print("|---|---:|---:|---:|")
     for mode, rows in runs.items():

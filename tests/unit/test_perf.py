@@ -70,3 +70,102 @@ def test_data_probe_verdicts():
     small = judge_data([probe(50_000, 20_000, 500.0)], Thresholds())
     assert small[0].status == "warn" and "hpctrain shard" in small[0].detail
     assert judge_data([probe(0, 0, 0.0)], Thresholds())[0].status == "fail"
+
+
+def _fake_rank(monkeypatch, rank: int, world: int, listing: list[str]):
+    """Rank `rank` of `world` without a process group: barriers pass, and a broadcast from rank 0 hands every
+    other rank rank 0's listing (computed before counting starts)."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from hpctrain.dist.runtime import single_process_runtime
+
+    def broadcast_object_list(box, src=0, **_):
+        assert src == 0
+        if rank != 0:
+            box[0] = list(listing)
+
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: None)
+    monkeypatch.setattr(dist, "broadcast_object_list", broadcast_object_list)
+    return dataclasses.replace(single_process_runtime(torch.device("cpu")), launcher="torchrun", rank=rank,
+                               world_size=world, local_rank=rank, local_world_size=world, backend="gloo")
+
+
+def _data_tree(root) -> int:
+    n = 0
+    for d in range(4):
+        sub = root / f"part{d}" / "deeper" if d % 2 else root / f"part{d}"
+        sub.mkdir(parents=True)
+        for i in range(10):
+            (sub / f"sample-{i:03d}.bin").write_bytes(b"x" * (100 + n))
+            n += 1
+    return n
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_data_probe_stats_only_each_ranks_share(tmp_path, monkeypatch, world):
+    """512 ranks x 1M files must not be 512M stats: rank 0 lists without a stat per file, broadcasts the names,
+    and each rank stats its own share only (doctor --perf --data exists to detect metadata storms)."""
+    import os
+
+    from hpctrain.perf import measure
+
+    n = _data_tree(tmp_path)
+    listing = measure.list_files(str(tmp_path))
+    assert len(listing) == n
+    seen: dict[int, int] = {}
+    for rank in range(world):
+        runtime = _fake_rank(monkeypatch, rank, world, listing)
+        calls = []
+        real_stat, real_lstat = os.stat, os.lstat
+        monkeypatch.setattr(os, "stat", lambda p, *a, **k: calls.append(str(p)) or real_stat(p, *a, **k))
+        monkeypatch.setattr(os, "lstat", lambda p, *a, **k: calls.append(str(p)) or real_lstat(p, *a, **k))
+        probe = measure.data_read_probe(runtime, str(tmp_path), max_bytes=1 << 20)
+        monkeypatch.setattr(os, "stat", real_stat)
+        monkeypatch.setattr(os, "lstat", real_lstat)
+        share = -(-n // world)
+        assert probe.files in (n // world, share)
+        assert len(calls) <= share, f"rank {rank} of {world} made {len(calls)} stat calls for {n} files"
+        assert len(set(calls)) == len(calls)  # no file stat twice
+        seen[rank] = probe.bytes_read
+    assert sum(seen.values()) == sum(100 + i for i in range(n))  # together the ranks read every file once
+
+
+def test_data_listing_skips_directories_and_what_is_not_a_file(tmp_path):
+    import os
+
+    from hpctrain.dist.runtime import single_process_runtime
+    from hpctrain.perf.measure import list_files, my_files
+
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "b" / "x.bin").write_bytes(b"12345")
+    (tmp_path / "y.bin").write_bytes(b"1")
+    (tmp_path / "empty").mkdir()
+    os.symlink(tmp_path / "a", tmp_path / "link-to-dir")
+    os.mkfifo(tmp_path / "fifo")  # opening it would block: dropped by the stat of the rank that owns it
+    assert list_files(str(tmp_path)) == ["a/b/x.bin", "fifo", "link-to-dir", "y.bin"]
+    files = my_files(single_process_runtime(torch.device("cpu")), str(tmp_path))
+    assert [(os.path.relpath(p, tmp_path), size) for p, size in files] == [("a/b/x.bin", 5), ("y.bin", 1)]
+
+
+def test_dense_peaks_by_device_name():
+    from hpctrain.perf.peaks import dense_peak, describe
+    from hpctrain.perf.preflight import judge, peak_report
+
+    assert dense_peak("NVIDIA H100 80GB HBM3").tflops == 989.0  # SXM
+    assert dense_peak("NVIDIA H100 PCIe").tflops == 756.0
+    assert dense_peak("NVIDIA H100 NVL").gpu == "H100 NVL"
+    assert dense_peak("NVIDIA H200").gpu == "H200 SXM" and dense_peak("NVIDIA GH200 480GB").gpu == "GH200"
+    assert dense_peak("NVIDIA A100-SXM4-80GB").tflops == 312.0 and dense_peak("NVIDIA A100 80GB PCIe").tflops == 312.0
+    assert dense_peak("NVIDIA A10").gpu == "A10" and dense_peak("NVIDIA A10G") is None  # A10 is not a prefix match
+    assert dense_peak("NVIDIA L40S").tflops == 362.0 and dense_peak("NVIDIA L4").gpu == "L4"
+    assert dense_peak("Tesla V100-SXM2-32GB").dtype == "fp16" and dense_peak("Tesla V100-PCIE-16GB").tflops == 112.0
+    assert dense_peak("NVIDIA GeForce GTX 1080") is None
+    assert describe(494.5, "NVIDIA H100 80GB HBM3", "bf16") == "50% of the H100 SXM's dense bf16 peak (989 TFLOP/s)"
+    assert describe(1.0, "Some GPU", "bf16") == "peak unknown for 'Some GPU'"
+    assert peak_report(156.0, "NVIDIA A100-SXM4-40GB", "bf16")["fraction"] == pytest.approx(0.5)
+    assert peak_report(1.0, "Some GPU", "bf16")["gpu"] == "unknown"
+    note = "71% of the H100 SXM's dense bf16 peak"
+    detail = judge([], [700.0], Straggler([1.0], 0, 1.0), Thresholds(), 1, note)[1].detail
+    assert detail.endswith("; 71% of the H100 SXM's dense bf16 peak")

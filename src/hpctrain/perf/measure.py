@@ -11,14 +11,15 @@ rank is done, so t is the maximum over ranks of each rank's median time.
 from __future__ import annotations
 
 import os
+import stat
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from hpctrain.dist.collectives import barrier, broadcast_object
 from hpctrain.dist.runtime import Runtime
 
 
@@ -144,31 +145,67 @@ class DataProbe:
     bytes_read: int
 
 
+def list_files(root: str) -> list[str]:
+    """Paths (relative to root, sorted) of what lies under root and is not a directory, without a stat per
+    file: os.scandir's entries carry each name's type from the directory read itself (d_type), so listing
+    1M files costs the directory reads, not 1M metadata operations. Symbolic links are listed unresolved
+    (whoever opens one resolves it); on a file system that reports no d_type, os.scandir falls back to an
+    lstat per entry, which no listing can avoid there."""
+    found, todo = [], [""]
+    while todo:
+        rel = todo.pop()
+        with os.scandir(os.path.join(root, rel) if rel else root) as entries:
+            for entry in entries:
+                name = os.path.join(rel, entry.name) if rel else entry.name
+                if entry.is_dir(follow_symlinks=False):  # Path.rglob does not descend into linked directories either
+                    todo.append(name)
+                else:
+                    found.append(name)
+    return sorted(found)
+
+
+def my_files(runtime: Runtime, root: str) -> list[tuple[str, int]]:
+    """This rank's share of the files under root (every world_size-th of rank 0's listing) with their sizes.
+    Rank 0 alone lists the tree (no stat per file) and broadcasts the names; each rank stats only its own
+    share. Listing on every rank, or a stat of every file, would make N ranks x M files metadata operations:
+    the storm this probe exists to detect. A name that no longer is a regular file (a link to a directory,
+    a file deleted since the listing) is dropped by the rank that owns it."""
+    names = broadcast_object(list_files(root) if runtime.is_main else None, runtime)
+    mine = []
+    for name in names[runtime.rank::runtime.world_size]:
+        path = os.path.join(root, name)
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            mine.append((path, st.st_size))
+    return mine
+
+
 def data_read_probe(runtime: Runtime, root: str, max_bytes: int, max_opens: int = 2000) -> DataProbe:
     """Every rank reads its own files (every world_size-th) at the same time, as loaders do. Cached pages
     are dropped with posix_fadvise first (no root needed for clean pages), so repeated probes measure the
     file system, not memory; a file system that ignores the advice (some network ones) reads warm."""
-    files = sorted(p for p in Path(root).rglob("*") if p.is_file())
-    mine = files[runtime.rank::runtime.world_size]
-    total = sum(p.stat().st_size for p in mine)  # each rank stats its own share: no rank touches every file
-    if runtime.distributed:
-        dist.barrier()
+    files = my_files(runtime, root)
+    total = sum(size for _, size in files)
+    barrier(runtime)
     start = time.perf_counter()
-    for p in mine[:max_opens]:
-        fd = os.open(p, os.O_RDONLY)
+    for path, _ in files[:max_opens]:
+        fd = os.open(path, os.O_RDONLY)
         os.fstat(fd)
         os.close(fd)
-    opens = min(len(mine), max_opens) / max(time.perf_counter() - start, 1e-9)
+    opens = min(len(files), max_opens) / max(time.perf_counter() - start, 1e-9)
     read, start = 0, time.perf_counter()
-    for p in mine:
+    for path, _ in files:
         if read >= max_bytes:
             break
-        read += _read_cold(p, max_bytes - read)
+        read += _read_cold(path, max_bytes - read)
     seconds = max(time.perf_counter() - start, 1e-9)
-    return DataProbe(len(mine), total / max(len(mine), 1), opens, read / seconds / 1e6, read)
+    return DataProbe(len(files), total / max(len(files), 1), opens, read / seconds / 1e6, read)
 
 
-def _read_cold(path: Path, limit: int) -> int:
+def _read_cold(path: str, limit: int) -> int:
     fd = os.open(path, os.O_RDONLY)
     try:
         if hasattr(os, "posix_fadvise"):

@@ -27,6 +27,7 @@ from hpctrain.dist.runtime import Runtime
 from hpctrain.perf.measure import (
     BandwidthRow, Straggler, all_reduce_bandwidth, data_read_probe, matmul_tflops, message_sizes, straggler_check,
 )
+from hpctrain.perf.peaks import dense_peak, describe
 
 
 @dataclass(frozen=True)
@@ -75,15 +76,19 @@ def environment() -> dict[str, Any]:
 def run_preflight(runtime: Runtime, settings: Settings, thresholds: Thresholds, out_dir: Path) -> int:
     """Collective. Returns the exit code (1 when a check fails), the same on every rank."""
     gpu = runtime.device.type == "cuda"
-    dtype = torch.bfloat16 if gpu else torch.float32
+    dtype = matmul_dtype(runtime.device)
     n = settings.matmul_n or (8192 if gpu else 512)
     envs = gather_objects(environment(), runtime)
     rows = all_reduce_bandwidth(runtime, message_sizes(settings.min_bytes, settings.max_bytes))
-    tflops = gather_objects(matmul_tflops(runtime.device, n, dtype), runtime)
+    measured = gather_objects((matmul_tflops(runtime.device, n, dtype), device_name(runtime.device)), runtime)
+    tflops, names = [t for t, _ in measured], [name for _, name in measured]
     straggler = straggler_check(runtime, n, dtype)
     data = gather_objects(asdict(data_read_probe(runtime, settings.data_path, settings.data_bytes)), runtime) \
         if settings.data_path else []
-    checks = judge(rows, tflops, straggler, thresholds, runtime.world_size) + judge_data(data, thresholds)
+    short = str(dtype).replace("torch.", "").replace("bfloat16", "bf16").replace("float16", "fp16")
+    worst = min(range(len(tflops)), key=tflops.__getitem__)
+    peak_note = describe(tflops[worst], names[worst], short) if gpu else ""
+    checks = judge(rows, tflops, straggler, thresholds, runtime.world_size, peak_note) + judge_data(data, thresholds)
     if runtime.is_main:
         report = {
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -96,6 +101,8 @@ def run_preflight(runtime: Runtime, settings: Settings, thresholds: Thresholds, 
             "checks": [asdict(c) for c in checks],
             "bandwidth": [asdict(r) for r in rows],
             "tflops_per_rank": tflops,
+            "device_per_rank": names,
+            "peak": peak_report(tflops[worst], names[worst], short) if gpu else None,
             "straggler": asdict(straggler),
             "data_path": settings.data_path,
             "data": data,
@@ -110,7 +117,32 @@ def run_preflight(runtime: Runtime, settings: Settings, thresholds: Thresholds, 
     return int(broadcast_object(1 if failed else 0, runtime))
 
 
-def judge(rows: list[BandwidthRow], tflops: list[float], straggler: Straggler, t: Thresholds, world: int) -> list[Check]:
+def matmul_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on GPUs with bf16 tensor cores (compute capability 8.0 up), fp16 on older ones (V100: bf16 runs
+    there without tensor cores, far below any peak), float32 on CPUs."""
+    if device.type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float16
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def peak_report(measured: float, name: str, dtype: str) -> dict[str, Any]:
+    """The slowest rank's GEMM rate against its GPU's dense peak (gpu 'unknown' for a GPU not in perf/peaks.py;
+    fraction None when unknown or measured in another dtype than the peak's)."""
+    peak = dense_peak(name)
+    if peak is None:
+        return {"device": name, "gpu": "unknown", "dtype": dtype, "tflops": None, "fraction": None,
+                "detail": describe(measured, name, dtype)}
+    fraction = measured / peak.tflops if peak.dtype == dtype else None
+    return {"device": name, "gpu": peak.gpu, "dtype": peak.dtype, "tflops": peak.tflops, "fraction": fraction,
+            "detail": describe(measured, name, dtype)}
+
+
+def judge(rows: list[BandwidthRow], tflops: list[float], straggler: Straggler, t: Thresholds, world: int,
+          peak_note: str = "") -> list[Check]:
     checks = []
     if world > 1 and rows:
         top = rows[-1]
@@ -124,6 +156,8 @@ def judge(rows: list[BandwidthRow], tflops: list[float], straggler: Straggler, t
         checks.append(Check("all-reduce bandwidth", "skip", "one process: nothing to measure"))
     worst = min(range(len(tflops)), key=tflops.__getitem__)
     detail = f"slowest rank {worst}: {tflops[worst]:.2f} TFLOP/s (all ranks: {', '.join(f'{x:.2f}' for x in tflops)})"
+    if peak_note:
+        detail += f"; {peak_note}"
     if t.min_tflops and tflops[worst] < t.min_tflops:
         checks.append(Check("matrix multiply", "fail", f"{detail}, below the required {t.min_tflops:g}: "
                             "a throttled or shared GPU (nvidia-smi -q -d PERFORMANCE,CLOCK)"))
@@ -183,6 +217,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     for rank, env in enumerate(report["ranks"]):
         lines.append(f"| {rank} | {env['host']} | {report['tflops_per_rank'][rank]:.2f} | "
                      f"{report['straggler']['times_s'][rank]:.4f} | {', '.join(env['gpus']) or '-'} | {env['cpus_usable']} |")
+    if report.get("peak"):
+        lines += ["", f"Matrix multiply against the GPU's table peak (slowest rank): {report['peak']['detail']}."]
     if report.get("data"):
         lines += ["", f"## Data read ({report['data_path']}, all ranks at once, page cache dropped)", "",
                   "| rank | files | opens/s | read MB/s | bytes read |", "|---:|---:|---:|---:|---:|"]

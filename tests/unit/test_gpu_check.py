@@ -1,0 +1,141 @@
+"""`make gpu-check` (benchmarks/gpu_check.py): the CPU path (every GPU stage skipped, exit 0, the table and
+environment.json) and the stage runner (a failing and a timed-out stage fail alone, the others still run)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+
+
+@pytest.fixture(scope="module")
+def gc():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop("gpu_check", None)
+
+
+def test_without_cuda_every_gpu_stage_is_skipped_and_the_command_succeeds(tmp_path: Path, gc):
+    out = tmp_path / "results"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no CUDA device, also on a GPU machine
+    env.pop("GPU_CHECK_DIR", None)
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out)], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert time.monotonic() - started < 120
+    assert "stage" in done.stdout and "status" in done.stdout and "key numbers" in done.stdout
+    assert "# hpctrain gpu-check |" in done.stdout and "no CUDA device" in done.stdout
+    lines = {line.split("|")[0].strip(): line for line in done.stdout.splitlines() if "|" in line}
+    for stage in gc.STAGES:
+        assert "SKIP" in lines[stage.name], lines.get(stage.name)
+    assert "no CUDA device: skipped; run on a GPU node" in lines["tests-gpu"]
+
+    environment = json.loads((out / "environment.json").read_text())
+    assert environment["gpu_count"] == 0 and environment["device"] == "cpu" and environment["cuda"] is None
+    assert environment["torch"] and environment["date"] and environment["host"] and "nccl" in environment
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["exit_code"] == 0 and summary["environment"]["torch"] == environment["torch"]
+    statuses = {s["stage"]: (s["status"], s["numbers"]) for s in summary["stages"]}
+    assert statuses.pop("environment")[0] == "pass"
+    assert set(statuses) == {s.name for s in gc.STAGES}
+    for name, (status, reason) in statuses.items():
+        assert status == "skip"
+        assert reason == gc.NO_CUDA or reason.endswith("not present: skipped"), (name, reason)
+    assert (out / "summary.md").read_text().startswith("# hpctrain gpu-check |")
+    assert not list(out.glob("*.log"))  # nothing ran
+
+
+def _py(code: str) -> object:
+    return lambda ctx: [sys.executable, "-c", code]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_a_failing_or_hung_stage_fails_alone_and_the_others_run(tmp_path: Path, gc):
+    ctx = gc.Context(tmp_path, {"gpu_count": 1}, header="# hpctrain gpu-check | the header")
+    grandchild = tmp_path / "grandchild.pid"
+    hang = (f"import subprocess, sys, time\n"
+            f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True)\n"
+            f"open({str(grandchild)!r}, 'w').write(str(p.pid))\n"
+            f"time.sleep(120)\n")
+    stages = [
+        gc.Stage("fails", _py("print('boom'); raise SystemExit(3)"), 60),
+        gc.Stage("hangs", _py(hang), 3),
+        gc.Stage("wrong-numbers", _py("print('done')"), 60, numbers=lambda ctx, out: ("x 1", "x below the goal")),
+        gc.Stage("not-here", _py("raise SystemExit(1)"), 60, skip=lambda ctx: "needs something else"),
+        gc.Stage("passes", _py("print('| hpctrain | 1.25 [1.00, 1.50] | 0.970 |')"), 60, numbers=gc.table_numbers),
+    ]
+    results = gc.run_stages(stages, ctx, echo=lambda *a, **k: None)
+    by = {r.stage: r for r in results}
+    assert [r.stage for r in results] == [s.name for s in stages]
+    assert by["fails"].status == "fail" and "exit code 3" in by["fails"].numbers
+    assert by["hangs"].status == "fail" and "timed out after 3 s" in by["hangs"].numbers
+    assert by["hangs"].seconds < 30
+    assert by["wrong-numbers"].status == "fail" and by["wrong-numbers"].numbers == "x below the goal; x 1"
+    assert by["not-here"].status == "skip" and by["not-here"].numbers == "needs something else"
+    assert by["passes"].status == "pass" and by["passes"].numbers == "hpctrain 1.25 (0.970)"
+    assert gc.exit_code(results) == 1 and gc.exit_code([by["passes"], by["not-here"]]) == 0
+
+    pid = int(grandchild.read_text())  # in a session of its own, like torchrun's workers: killed too
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid)
+    log = (tmp_path / by["fails"].log).read_text()
+    assert log.startswith("# hpctrain gpu-check | the header\n# stage fails:") and "boom" in log
+    assert "FAIL" in log.splitlines()[-1]
+    text = gc.table(results)
+    assert text.splitlines()[0].split("|")[0].strip() == "stage" and "timed out" in text
+
+
+def test_time_budget_and_stage_selection(tmp_path: Path, gc):
+    ctx = gc.Context(tmp_path, {"gpu_count": 1}, header="# h")
+    results = gc.run_stages([gc.Stage("late", _py("pass"), 60)], ctx, budget_s=0, echo=lambda *a, **k: None)
+    assert results[0].status == "skip" and "time budget" in results[0].numbers
+    names = [s.name for s in gc.select(gc.STAGES, "tests-gpu,doctor-perf", "doctor-perf")]
+    assert names == ["tests-gpu"]
+    with pytest.raises(SystemExit, match="unknown stage"):
+        gc.select(gc.STAGES, "no-such-stage", "")
+
+
+def test_key_numbers_from_the_stages_reports(tmp_path: Path, gc):
+    ctx = gc.Context(tmp_path, {"gpu_count": 1})
+    out = ("| mode | stall per save | save to complete on disk | training step during the write |\n"
+           "|---|---:|---:|---:|\n"
+           "| sync | 1,930 [1,789, 2,239] | 1,930 [1,789, 2,239] | 794 [756, 941] |\n"
+           "| async | 77 [66, 266] | 3,489 [3,271, 3,912] | 880 [832, 915] |\n\n"
+           "async stall / sync stall: 0.040 (goal <= 0.1)\n"
+           "resume (pick, verify sha256, load, ready for the first step): 723 [709, 1,098] ms\n")
+    assert gc.checkpoint_numbers(ctx, out) == (
+        "stall sync 1,930 ms, async 77 ms, ratio 0.040 (goal <= 0.1), resume 723 ms", "")
+    (tmp_path / "doctor-perf").mkdir()
+    report = {"tflops_per_rank": [612.3], "dtype": "bfloat16", "world_size": 1, "bandwidth": [],
+              "peak": {"gpu": "H100 SXM", "tflops": 989.0, "fraction": 0.619},
+              "checks": [{"name": "matrix multiply", "status": "pass"}]}
+    (tmp_path / "doctor-perf" / "preflight.json").write_text(json.dumps(report))
+    numbers, problem = gc.preflight_numbers(ctx, "")
+    assert numbers == "612.3 bfloat16 TFLOP/s (slowest rank), 62% of H100 SXM peak 989, busbw: 1 rank, not measured"
+    assert problem == ""
+    summary = "3 passed, 1 skipped in 80.1s"
+    assert gc.pytest_numbers(ctx, f"...\n==== {summary} ====\n") == (summary, "")
