@@ -5,7 +5,11 @@ them; each rank's RNG state is gathered to rank 0 and written with them. The
 outcome of rank 0's write is broadcast, so a failed save (full disk, I/O error)
 raises on every rank instead of leaving the others waiting at a barrier. With
 ckpt.async_save, rank 0 writes from a CPU snapshot in a background thread and
-the outcome is broadcast at the next save (or when the loop ends).
+the outcome is broadcast at the next save (or when the loop ends). Both kinds of
+save write CPU tensors (a GPU run's files load anywhere, and are the same bytes).
+
+A resume reads the checkpoint once: rank 0 reads each file and sends its bytes to
+the other ranks over the data plane, and scatters each rank its own RNG entry.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from hpctrain.checkpoint import policy, storage
 from hpctrain.checkpoint.background import BackgroundWriter
 from hpctrain.checkpoint.snapshot import CpuStaging
 from hpctrain.checkpoint.storage import Checked
-from hpctrain.dist.collectives import barrier, broadcast_object, gather_objects
+from hpctrain.dist.collectives import barrier, broadcast_bytes, broadcast_object, gather_to_main, scatter_objects
 from hpctrain.dist.runtime import Runtime
 from hpctrain.errors import UserError, on_every_rank
 from hpctrain.train.rng import capture_rng, restore_rng, seed_rank_streams
@@ -115,7 +119,7 @@ class Checkpointer:
         copy. A save first waits for the previous background write, and a failure of that write
         raises here, on every rank."""
         self.settle()
-        rng = gather_objects(capture_rng(self.runtime.device), self.runtime)
+        rng = gather_to_main(capture_rng(self.runtime.device), self.runtime)  # None on the other ranks
         outcome = self._save_on_main(state, stateful, rng, background=self.async_save and not wait) if self.runtime.is_main else None
         _raise_if_failed(broadcast_object(outcome, self.runtime), self.root)
 
@@ -132,6 +136,10 @@ class Checkpointer:
         try:
             files = self._files(state, stateful, rng)
             if not background:
+                # CPU tensors, as the background save writes: the live state's CUDA tensors would be written
+                # tagged with their device (other bytes than an async save's, and a load that needs a
+                # map_location). Only device tensors are copied: on a CPU-only run this copies nothing.
+                files = self._staging.snapshot(files, copy_cpu_tensors=False)
                 return self._write(state.step, files, self._meta(state), started, paused_s=None)
             # The copy is the whole pause: after it, training may change every live tensor.
             files = self._staging.snapshot(files)
@@ -185,58 +193,108 @@ class Checkpointer:
             shutil.rmtree(valid[step], ignore_errors=True)
 
     def restore(self, resume: str, stateful: Mapping[str, Any], seed: int) -> Resumed | None:
-        """Collective: rank 0 picks and verifies the checkpoint, every rank loads it."""
-        path = self._choose(resume)
-        return self._load(path, stateful, seed) if path else None
+        """Collective: rank 0 picks and verifies the checkpoint, every rank loads it (from rank 0's one read)."""
+        chosen = self._choose(resume)
+        return self._load(chosen, stateful, seed) if chosen else None
 
     def restore_weights(self, resume: str, model: nn.Module) -> Resumed:
         """Collective: load only the weights to use (the EMA ones when the checkpoint has them)."""
-        path = self._choose(resume)
-        if path is None:
+        chosen = self._choose(resume)
+        if chosen is None:
             raise UserError(
                 f"no checkpoint in '{self.root}'", "train first, or point ckpt.resume (--resume) at a checkpoint directory."
             )
-        if (path / "ema.pt").exists():
+        if "ema.pt" in chosen.files:
             # AveragedModel's state dict is {'module.<name>': ..., 'n_averaged': ...}.
-            ema = storage.load_file(path, "ema.pt")
+            ema = self._read(chosen.path, "ema.pt")
             weights = {k[len("module."):]: v for k, v in ema.items() if k.startswith("module.")}
         else:
-            weights = storage.load_file(path, "model.pt")
-        _load_into(model, weights, path)
-        info = json.loads((path / "state.json").read_text())
-        return Resumed(path, TrainState.from_dict(info), int(info["world_size"]))
+            weights = self._read(chosen.path, "model.pt")
+        _load_into(model, weights, chosen.path)
+        return Resumed(chosen.path, TrainState.from_dict(chosen.info), int(chosen.info["world_size"]))
 
-    def _choose(self, resume: str) -> Path | None:
-        """Rank 0 picks and verifies; the verdict (a path or an error) is broadcast."""
-        choice: tuple[str, str] = ("", "")
+    def _choose(self, resume: str) -> _Chosen | None:
+        """Rank 0 picks and verifies, and reads state.json; the verdict (the choice, or an error) is broadcast."""
+        choice: tuple[str, list[str], dict[str, Any], tuple[str, str]] = ("", [], {}, ("", ""))
         if self.runtime.is_main:
             try:
                 chosen, skipped = select_checkpoint(self.root, resume, self.experiment)
                 for c in skipped:
                     log.warning("skipping checkpoint %s: %s", c.path, c.problem)
-                choice = (str(chosen.path) if chosen else "", "")
+                if chosen is not None:
+                    choice = (str(chosen.path), sorted(chosen.manifest["files"]), _read_info(chosen.path), ("", ""))
             except UserError as err:
-                choice = ("", str(err))
-        path, error = broadcast_object(choice, self.runtime)
+                choice = ("", [], {}, (str(err.args[0]), err.hint))
+            except Exception as err:  # e.g. an I/O error while verifying: it must reach the other ranks too
+                choice = ("", [], {}, (f"cannot check the checkpoints under '{self.root}': {type(err).__name__}: "
+                                       f"{err}", "fix the file system or point ckpt.resume at another checkpoint."))
+        path, files, info, (error, hint) = broadcast_object(choice, self.runtime)
         if error:
-            raise on_every_rank(UserError(error))
-        return Path(path) if path else None
+            raise on_every_rank(UserError(error, hint))
+        return _Chosen(Path(path), frozenset(files), info) if path else None
 
-    def _load(self, path: Path, stateful: Mapping[str, Any], seed: int) -> Resumed:
-        info = json.loads((path / "state.json").read_text())
+    def _read(self, path: Path, name: str) -> Any:
+        """Collective: a checkpoint file's content on every rank, read from storage once, by rank 0.
+
+        Once per job rather than once per node: the shared file system then serves one checkpoint's worth of
+        reads per resume whatever the job's size (every rank reading made 512 ranks x 600 MB = 300 GB; once per
+        node would still grow with the node count, and need a node-local communicator besides). The cost is one
+        client's read of the file plus the broadcast, about size / link bandwidth whatever the world size (NCCL
+        pipelines it along its ring or tree), as for DDP's own broadcast of the module state. The status comes
+        first, on the control plane (its wait includes rank 0's read): a missing or unreadable file fails every
+        rank with the same message, and none is left waiting."""
+        if not self.runtime.distributed:
+            return storage.load_file(path, name)
+        data, header = None, (0, "")
+        if self.runtime.is_main:
+            try:
+                data = storage.read_bytes(path, name)
+                header = (len(data), "")
+            except Exception as err:  # noqa: BLE001 - any failure must reach the other ranks
+                header = (0, f"{type(err).__name__}: {err}")
+        nbytes, error = broadcast_object(header, self.runtime)
+        if error:
+            raise on_every_rank(_unreadable(path, name, error))
+        data = broadcast_bytes(data, nbytes, self.runtime)
+        try:
+            return storage.load_bytes(data, path, name)
+        except UserError as err:  # the same bytes on every rank: the same error on every rank
+            raise on_every_rank(err) from None
+
+    def _own_rng(self, path: Path) -> dict[str, Any]:
+        """Collective: this rank's entry of rng.pt, which rank 0 reads and scatters (each rank gets its own)."""
+        entries: list[tuple[Any, tuple[str, str]]] | None = None
+        if self.runtime.is_main:
+            try:
+                rng = storage.load_file(path, "rng.pt")
+                if not isinstance(rng, list) or len(rng) != self.runtime.world_size:
+                    raise UserError(f"rng.pt of checkpoint '{path}' holds {len(rng) if isinstance(rng, list) else 'no'} "
+                                    f"per-rank entries, not {self.runtime.world_size}",
+                                    "resume from another checkpoint (ckpt.resume=PATH) or start a new run.dir.")
+                entries = [(entry, ("", "")) for entry in rng]
+            except UserError as err:  # load_file's verdict on any failure to read or unpickle
+                entries = [(None, (str(err.args[0]), err.hint))] * self.runtime.world_size
+        entry, (error, hint) = scatter_objects(entries, self.runtime)
+        if error:
+            raise on_every_rank(UserError(error, hint))
+        return entry
+
+    def _load(self, chosen: _Chosen, stateful: Mapping[str, Any], seed: int) -> Resumed:
+        path, info = chosen.path, chosen.info
         state = TrainState.from_dict(info)
-        _load_into(stateful["model"], storage.load_file(path, "model.pt"), path)
-        optim = storage.load_file(path, "optim.pt")
+        _load_into(stateful["model"], self._read(path, "model.pt"), path)
+        optim = self._read(path, "optim.pt")
         for key in ("optimizer", "scheduler", "scaler"):
             stateful[key].load_state_dict(optim[key])
+        del optim
         if stateful.get("ema") is not None:
-            if not (path / "ema.pt").exists():
-                raise UserError(f"checkpoint '{path}' has no EMA weights, but optim.ema_decay > 0", "set optim.ema_decay=0 or start a new run.")
-            _load_into(stateful["ema"], storage.load_file(path, "ema.pt"), path)
-        rng = storage.load_file(path, "rng.pt")
+            if "ema.pt" not in chosen.files:
+                raise on_every_rank(UserError(f"checkpoint '{path}' has no EMA weights, but optim.ema_decay > 0",
+                                              "set optim.ema_decay=0 or start a new run."))
+            _load_into(stateful["ema"], self._read(path, "ema.pt"), path)
         saved_world = int(info["world_size"])
         if saved_world == self.runtime.world_size:
-            restore_rng(rng[self.runtime.rank], self.runtime.device)
+            restore_rng(self._own_rng(path), self.runtime.device)
         else:
             seed_rank_streams(seed, self.runtime.rank, state.step)
             if self.runtime.is_main:
@@ -247,6 +305,39 @@ class Checkpointer:
                 )
         barrier(self.runtime)
         return Resumed(path, state, saved_world)
+
+
+@dataclass(frozen=True)
+class _Chosen:
+    """The checkpoint a resume loads, as rank 0 found it (the same on every rank)."""
+
+    path: Path
+    files: frozenset[str]
+    """The files its manifest lists (verified by rank 0)."""
+    info: dict[str, Any]
+    """state.json."""
+
+
+_REREAD_HINT = ("the checkpoint was verified a moment before: it was moved or deleted since, or the file system "
+                "failed; resume again, or from another checkpoint (ckpt.resume=PATH).")
+
+
+def _unreadable(path: Path, name: str, error: str) -> UserError:
+    return UserError(f"cannot read {name} from checkpoint '{path}': {error}", _REREAD_HINT)
+
+
+def _read_info(path: Path) -> dict[str, Any]:
+    """state.json, checked for what a resume uses; UserError when unusable."""
+    try:
+        info = json.loads((path / "state.json").read_text())
+        TrainState.from_dict(info)
+        int(info["world_size"])
+        return info
+    except OSError as err:
+        raise _unreadable(path, "state.json", f"{type(err).__name__}: {err}") from None
+    except (ValueError, KeyError, TypeError) as err:
+        raise UserError(f"state.json of checkpoint '{path}' is not usable: {type(err).__name__}: {err}",
+                        "resume from another checkpoint (ckpt.resume=PATH) or start a new run.dir.") from None
 
 
 def _failed(step: int, err: Exception) -> SaveOutcome:

@@ -18,6 +18,7 @@ detected on load and the previous checkpoint is used instead.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -183,11 +184,29 @@ def load_file(path: Path, name: str) -> Any:
     try:
         return torch.load(path / name, map_location="cpu", weights_only=True)
     except Exception as err:  # unpickling errors have many types; all mean the same to the user
-        raise UserError(
-            f"cannot load {name} from checkpoint '{path}': {err}",
-            "the file passed its checksum, so it was written by another hpctrain/torch version or by hand; "
-            "resume from another checkpoint (ckpt.resume=PATH) or start a new run.dir.",
-        ) from None
+        raise _unloadable(path, name, err) from None
+
+
+def read_bytes(path: Path, name: str) -> bytes:
+    """A checkpoint file's bytes, as they are on disk (what load_file would torch.load). The one read of a
+    checkpoint file in a distributed resume: rank 0 reads, the other ranks receive the bytes."""
+    return (path / name).read_bytes()
+
+
+def load_bytes(data: bytes | bytearray | memoryview, path: Path, name: str) -> Any:
+    """load_file for bytes read elsewhere (same map_location and weights_only, same error)."""
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise _unloadable(path, name, err) from None
+
+
+def _unloadable(path: Path, name: str, err: Exception) -> UserError:
+    return UserError(
+        f"cannot load {name} from checkpoint '{path}': {err}",
+        "the file passed its checksum, so it was written by another hpctrain/torch version or by hand; "
+        "resume from another checkpoint (ckpt.resume=PATH) or start a new run.dir.",
+    )
 
 
 def remove_stale_temporaries(root: Path) -> None:

@@ -83,3 +83,52 @@ def broadcast_buffers(module: nn.Module, runtime: Runtime) -> None:
         dist.broadcast(packed, src=0)
         for b, part in zip(buffers, packed.split([b.numel() for b in buffers])):
             b.detach().copy_(part.view_as(b))
+
+
+def scatter_objects(objs: list[Any] | None, runtime: Runtime) -> Any:
+    """Control plane: objs[r] from rank 0 on rank r (``objs``, one object per rank, is read on rank 0 only)."""
+    if not runtime.distributed:
+        assert objs is not None and len(objs) == 1
+        return objs[0]
+    out: list[Any] = [None]
+    dist.scatter_object_list(out, objs if runtime.is_main else None, src=0, group=runtime.control)
+    return out[0]
+
+
+BROADCAST_CHUNK_BYTES = 64 << 20
+"""Bytes per collective in broadcast_bytes: large enough for NCCL's and gloo's full bandwidth, small enough that
+the device buffer is negligible and that each collective ends well within dist.timeout_s."""
+
+
+def broadcast_bytes(data: bytes | bytearray | None, nbytes: int, runtime: Runtime,
+                    chunk_bytes: int = BROADCAST_CHUNK_BYTES) -> bytes | bytearray:
+    """Data plane: rank 0's ``nbytes`` bytes on every rank (``data`` is read on rank 0 only; every rank knows
+    ``nbytes``, e.g. from a broadcast_object). As DDP broadcasts module state: a uint8 tensor on the data plane,
+    a CUDA one under NCCL (NVLink/InfiniBand, pipelined by NCCL's ring/tree), a CPU one under gloo, in chunks.
+    Called after rank 0's file read, so these waits contain no file system, only the transfer."""
+    if not runtime.distributed or nbytes == 0:
+        return data if data is not None else b""
+    main = runtime.is_main
+    if main and (data is None or len(data) != nbytes):
+        raise ValueError(f"broadcast_bytes: rank 0 has {None if data is None else len(data)} bytes, not {nbytes}")
+    cuda = runtime.backend == "nccl"
+    size = min(chunk_bytes, nbytes)
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
+    wire = torch.empty(size, dtype=torch.uint8, device=runtime.device) if cuda else host
+    # numpy views move the bytes between the Python buffers and the tensors (torch.frombuffer would warn
+    # about rank 0's read-only bytes).
+    source = np.frombuffer(data, dtype=np.uint8) if main else None
+    out = None if main else bytearray(nbytes)
+    target = None if main else np.frombuffer(out, dtype=np.uint8)
+    for start in range(0, nbytes, chunk_bytes):
+        n = min(chunk_bytes, nbytes - start)
+        if main:
+            host.numpy()[:n] = source[start:start + n]
+            if cuda:
+                wire[:n].copy_(host[:n])
+        dist.broadcast(wire[:n], src=0)
+        if not main:
+            if cuda:
+                host[:n].copy_(wire[:n])
+            target[start:start + n] = host.numpy()[:n]
+    return data if main else out

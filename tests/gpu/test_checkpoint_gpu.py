@@ -1,0 +1,123 @@
+"""Checkpoints of CUDA state: the staging copy goes through pinned buffers and is complete when the snapshot
+returns, and a synchronous and an asynchronous save write the same bytes (CPU tensors, loadable without a GPU).
+Skipped without CUDA; run through the device tool when a GPU is lent."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from hpctrain.checkpoint import storage
+from hpctrain.checkpoint.manager import Checkpointer
+from hpctrain.checkpoint.snapshot import CpuStaging
+from hpctrain.config.schema import OptimSection
+from hpctrain.dist.runtime import single_process_runtime
+from hpctrain.train.ema import build_ema
+from hpctrain.train.optim import build_optimizer, build_scheduler
+from hpctrain.train.state import TrainState
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+CUDA = torch.device("cuda", 0)
+
+
+def cuda_state(steps: int = 3) -> dict:
+    """Model (BatchNorm buffers), fused AdamW moments, scheduler, scaler and EMA on the GPU, after a few steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 10))
+    model = model.to(CUDA)
+    cfg = OptimSection(ema_decay=0.9)
+    optimizer = build_optimizer(model, cfg, fused=True)
+    stateful = {
+        "model": model, "optimizer": optimizer, "scheduler": build_scheduler(optimizer, cfg, 100),
+        "scaler": torch.amp.GradScaler("cuda", enabled=False), "ema": build_ema(model, cfg.ema_decay),
+    }
+    for _ in range(steps):
+        train_step(stateful)
+    return stateful
+
+
+def train_step(stateful: dict) -> None:
+    model, optimizer = stateful["model"], stateful["optimizer"]
+    model(torch.randn(4, 3, 8, 8, device=CUDA)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    stateful["scheduler"].step()
+    stateful["ema"].update_parameters(model)
+
+
+def flat(tree) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in flat(v)]
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in flat(v)]
+    return []
+
+
+def test_staging_copies_cuda_state_into_pinned_buffers_complete_on_return():
+    stateful = cuda_state()
+    live = {"model": stateful["model"].state_dict(), "optim": stateful["optimizer"].state_dict()}
+    sources = flat(live)
+    assert any(t.is_cuda for t in sources)
+    staging = CpuStaging()
+    copy = staging.snapshot(live)
+    expected = [t.detach().cpu().clone() for t in sources]
+    # Training changes the live tensors at once: kernels queued right away must not reach the copy.
+    for _ in range(3):
+        train_step(stateful)
+    copies = flat(copy)
+    assert len(copies) == len(sources)
+    for source, snap, value in zip(sources, copies, expected):
+        assert snap.device.type == "cpu" and snap.dtype == source.dtype and snap.shape == source.shape
+        assert torch.equal(snap, value)
+        if snap.numel():  # CPU sources (none with fused AdamW) stay pageable
+            assert snap.is_pinned() == source.is_cuda
+    # The next save reuses the pinned buffers, with the new values.
+    buffers = {t.untyped_storage().data_ptr() for t in copies if t.numel()}
+    second = flat(staging.snapshot(live))
+    assert {t.untyped_storage().data_ptr() for t in second if t.numel()} == buffers
+    for source, snap in zip(flat(live), second):
+        assert torch.equal(snap, source.detach().cpu())
+
+
+def test_sync_and_async_saves_of_cuda_state_write_the_same_cpu_bytes(tmp_path: Path):
+    stateful = cuda_state()
+    runtime = single_process_runtime(CUDA)
+    state = TrainState(step=3, epoch=0, step_in_epoch=3, samples_seen=12)
+    torch.manual_seed(1)  # the RNG states (CPU and CUDA) both saves capture
+    Checkpointer(tmp_path / "sync", "toy", runtime, "x = 1\n", 3, async_save=False).save(state, stateful)
+    torch.manual_seed(1)
+    background = Checkpointer(tmp_path / "async", "toy", runtime, "x = 1\n", 3, async_save=True)
+    background.save(state, stateful)
+    for _ in range(2):
+        train_step(stateful)
+    background.settle()
+    sync = storage.check_checkpoint(tmp_path / "sync" / "checkpoints" / "step_00000003").manifest["files"]
+    written = storage.check_checkpoint(tmp_path / "async" / "checkpoints" / "step_00000003").manifest["files"]
+    assert set(sync) == {"model.pt", "optim.pt", "ema.pt", "rng.pt", "state.json", "config.toml"}
+    assert written == sync  # every file: same size and sha256
+    # CPU tensors: a machine without a GPU loads them without a map_location.
+    for name in ("model.pt", "optim.pt", "ema.pt", "rng.pt"):
+        loaded = torch.load(tmp_path / "sync" / "checkpoints" / "step_00000003" / name, weights_only=True)
+        assert all(t.device.type == "cpu" for t in flat(loaded)), name
+
+
+def test_a_resume_onto_the_gpu_restores_the_saved_state(tmp_path: Path):
+    stateful = cuda_state()
+    runtime = single_process_runtime(CUDA)
+    Checkpointer(tmp_path, "toy", runtime, "", 3).save(TrainState(step=3), stateful)
+    after = torch.rand(3, device=CUDA)
+    fresh = cuda_state(0)
+    resumed = Checkpointer(tmp_path, "toy", runtime, "", 3).restore("auto", fresh, seed=0)
+    assert resumed.state.step == 3
+    for name in ("model", "ema"):
+        live, loaded = stateful[name].state_dict(), fresh[name].state_dict()
+        assert all(loaded[k].device == live[k].device and torch.equal(loaded[k], live[k]) for k in live), name
+    assert torch.equal(torch.rand(3, device=CUDA), after)  # the CUDA stream continues
