@@ -423,7 +423,8 @@ def run_stages(stages: list[Stage], ctx: Context, budget_s: float = float("inf")
         if reason:
             result = Result(stage.name, "skip", reason, 0.0)
         elif left < 30:
-            result = Result(stage.name, "skip", f"out of the time budget ({budget_s:g} s)", 0.0)
+            # not run: the check is incomplete, which a green summary would hide
+            result = Result(stage.name, "cut", f"not run: out of the time budget ({budget_s:g} s)", 0.0)
         else:
             limit = min(stage.timeout_s, left)
             echo(f"[gpu-check] {stage.name} (timeout {limit:.0f} s) ...", file=sys.stderr, flush=True)
@@ -452,7 +453,7 @@ def markdown(results: list[Result], head: str) -> str:
 
 
 def exit_code(results: list[Result]) -> int:
-    return 1 if any(r.status == "fail" for r in results) else 0
+    return 1 if any(r.status in ("fail", "cut") for r in results) else 0
 
 
 def default_out(env: dict) -> Path:
@@ -510,7 +511,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / "summary.md").write_text(markdown(results, ctx.header))
     print(f"\n{ctx.header}\n\n{table(results)}\n\n{len(results)} stages in {total:.0f} s: "
           f"{sum(r.status == 'pass' for r in results)} passed, {sum(r.status == 'fail' for r in results)} failed, "
-          f"{sum(r.status == 'skip' for r in results)} skipped; results in {out}")
+          f"{sum(r.status == 'skip' for r in results)} skipped, {sum(r.status == 'cut' for r in results)} cut by "
+          f"the time budget; results in {out}")
     return exit_code(results)
 
 

@@ -14,7 +14,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Callable, Literal, Mapping
 
-from hpctrain.dist.env import cpus_available, expand_nodelist, launch_variables
+from hpctrain.dist.env import cpus_available, expand_nodelist, launch_variables, nccl_ifname_matches
 
 
 @dataclass(frozen=True)
@@ -67,13 +67,7 @@ def check_socket_ifname(env: Mapping[str, str], interfaces: list[str]) -> Check:
     value = env.get("NCCL_SOCKET_IFNAME", "")
     if not value:
         return Check("NCCL_SOCKET_IFNAME", "skip", f"not set; NCCL chooses among {', '.join(interfaces)}")
-    exclude, exact = value.startswith("^"), value.lstrip("^").startswith("=")
-    names = [n for n in value.lstrip("^").lstrip("=").split(",") if n]
-
-    def hit(iface: str) -> bool:
-        return any(iface == n if exact else iface.startswith(n) for n in names)
-
-    usable = [i for i in interfaces if hit(i) != exclude]
+    usable = nccl_ifname_matches(value, interfaces)
     if not usable:
         return Check("NCCL_SOCKET_IFNAME", "fail", f"{value!r} matches no interface of this node "
                      f"({', '.join(interfaces)}); NCCL will fail to start")

@@ -66,13 +66,17 @@ def test_staging_copies_cuda_state_into_pinned_buffers_complete_on_return():
     live = {"model": stateful["model"].state_dict(), "optim": stateful["optimizer"].state_dict()}
     sources = flat(live)
     assert any(t.is_cuda for t in sources)
-    staging = CpuStaging()
-    copy = staging.snapshot(live)
     expected = [t.detach().cpu().clone() for t in sources]
+    staging = CpuStaging()
+    # A long kernel queued before the snapshot: its non-blocking copies queue behind it, so only snapshot()'s own
+    # synchronisation makes them complete before it returns (the check below reads the copy without any sync).
+    torch.cuda._sleep(100_000_000)
+    copy = staging.snapshot(live)
+    copies = flat(copy)
+    assert all(torch.equal(snap, value) for snap, value in zip(copies, expected)), "snapshot returned before its copies"
     # Training changes the live tensors at once: kernels queued right away must not reach the copy.
     for _ in range(3):
         train_step(stateful)
-    copies = flat(copy)
     assert len(copies) == len(sources)
     for source, snap, value in zip(sources, copies, expected):
         assert snap.device.type == "cpu" and snap.dtype == source.dtype and snap.shape == source.shape

@@ -54,3 +54,30 @@ def test_nvjpeg_batch_decode_and_augment_match_the_cpu_path():
     cpu = crop_resize_flip(decode_images(datas, torch.device("cpu")), crops, 32)
     assert gpu.device.type == "cuda" and gpu.shape == cpu.shape == (8, 3, 32, 32)
     assert (gpu.cpu() - cpu).abs().mean() < 2 / 255  # nvJPEG and libjpeg round the IDCT differently
+
+
+def test_the_stop_vote_on_nccl_reduces_through_pinned_buffers(tmp_path: Path):
+    """StepVote's NCCL path on a one-rank group (world size faked to 2 so it reduces): the verdict comes back, and
+    the host did not wait for the step it had just queued (the event is recorded after the reduction)."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from hpctrain.dist.runtime import single_process_runtime
+    from hpctrain.fault.vote import StepVote, Verdict
+
+    device = torch.device("cuda", 0)
+    dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
+                            device_id=device)
+    try:
+        runtime = dataclasses.replace(single_process_runtime(device), world_size=2, backend="nccl")
+        vote = StepVote(runtime)
+        vote.cast(15, True)
+        flags, event = vote._pending
+        assert flags.is_pinned() and isinstance(event, torch.cuda.Event)
+        torch.cuda._sleep(200_000_000)  # a long kernel queued after the cast: collect() must not wait for it
+        assert vote.collect() == Verdict(15, True)
+        assert not torch.cuda.current_stream().query()  # the sleep is still running: the host did not sync
+        torch.cuda.synchronize()
+    finally:
+        dist.destroy_process_group()

@@ -114,18 +114,68 @@ def test_compiled_ddp_is_compile_around_ddp(one_process_group, monkeypatch):
 
 
 def test_processes_sharing_the_nodes_one_gpu_use_gloo_not_nccl(gpus, monkeypatch):
-    """NCCL refuses two ranks on one device ("Duplicate GPU detected"); per-task binding (CUDA_VISIBLE_DEVICES set
-    by Slurm) gives each its own GPU, which then is its cuda:0."""
+    """NCCL refuses two ranks on one device ("Duplicate GPU detected"); srun's per-task binding (CUDA_VISIBLE_DEVICES
+    set for each task) gives each its own GPU, which then is its cuda:0. torchrun's processes share one environment,
+    so a CUDA_VISIBLE_DEVICES there (Slurm's for a one-GPU job, or a user's) is the same GPU for all of them."""
+    import dataclasses
+
     from hpctrain.dist.runtime import choose_backend, shares_one_gpu
 
     gpus(1)
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     cuda0 = torch.device("cuda", 0)
-    assert shares_one_gpu(launch(1, 2), cuda0)
+    by_srun = launch(1, 2)
+    by_torchrun = dataclasses.replace(by_srun, launcher="torchrun")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert shares_one_gpu(by_srun, cuda0) and shares_one_gpu(by_torchrun, cuda0)
     assert choose_backend("auto", True, shared_gpu=True) == "gloo"
     with pytest.raises(UserError, match="NCCL refuses two ranks on one device"):
         choose_backend("nccl", True, shared_gpu=True)
     assert not shares_one_gpu(launch(0, 1), cuda0)  # one process: nothing shared
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # bound per task
-    assert not shares_one_gpu(launch(1, 2), cuda0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert not shares_one_gpu(by_srun, cuda0)  # srun bound a GPU to this task
+    assert shares_one_gpu(by_torchrun, cuda0)  # salloc --gres=gpu:1; hpctrain train --nproc-per-node 2
     assert choose_backend("auto", True, shared_gpu=False) == "nccl"
+
+
+def test_gloo_gets_one_exact_interface_from_nccls_prefix_rules():
+    """NCCL_SOCKET_IFNAME holds prefixes ('ib' is ib0, ib1), '=' exact names or '^' exclusions; gloo takes one exact
+    name, and without one binds to what the hostname resolves to (127.0.1.1 on many images)."""
+    from hpctrain.dist.env import gloo_ifname_from_nccl
+
+    nics = ["docker0", "eth0", "ib0", "ib1", "lo"]
+    assert gloo_ifname_from_nccl({"NCCL_SOCKET_IFNAME": "ib"}, nics) == "ib0"
+    assert gloo_ifname_from_nccl({"NCCL_SOCKET_IFNAME": "=ib1"}, nics) == "ib1"
+    assert gloo_ifname_from_nccl({"NCCL_SOCKET_IFNAME": "^lo,docker"}, nics) == "eth0"
+    assert gloo_ifname_from_nccl({"NCCL_SOCKET_IFNAME": "ib", "GLOO_SOCKET_IFNAME": "eth0"}, nics) == ""  # the user's
+    assert gloo_ifname_from_nccl({"NCCL_SOCKET_IFNAME": "hsn"}, nics) == ""  # no match: doctor reports it
+    assert gloo_ifname_from_nccl({}, nics) == ""
+
+
+def test_the_vote_on_gloo_uses_cpu_tensors_on_the_training_group(monkeypatch):
+    """CPU flags on the default (training) group, asynchronously: its dist.timeout_s bounds the wait."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from hpctrain.dist.runtime import single_process_runtime
+    from hpctrain.fault.vote import StepVote, Verdict
+
+    runtime = dataclasses.replace(single_process_runtime(torch.device("cpu")), world_size=2, backend="gloo",
+                                  control=object())
+    calls = []
+
+    class Work:
+        def wait(self):
+            calls.append("wait")
+
+    def all_reduce(tensor, op, async_op, group=None):
+        calls.append(("all_reduce", tensor.device.type, group, async_op))
+        tensor[0] = 15.0  # another rank got SIGTERM
+        return Work()
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    vote = StepVote(runtime)
+    vote.cast(0, False)
+    assert calls == [("all_reduce", "cpu", None, True)]  # cast does not wait
+    assert vote.collect() == Verdict(15, False)
+    assert calls[-1] == "wait"

@@ -73,6 +73,19 @@ def test_a_moving_validation_is_not_a_hang_but_a_stuck_one_is(tmp_path: Path):
     assert not dog.frozen_path.exists()  # armed, never fired: removed
 
 
+def test_a_checkpoint_save_gets_the_control_planes_limit():
+    """A save's waits are on the control plane (dist.control_timeout_s): a 12-minute write on a slow file system
+    is no hang when the training timeout is 10 minutes; a compile that long is (its peers wait on NCCL)."""
+    limits = Limits(hang_s=50, slow_s=slow_phase_limit(1800, 600, 10), beat_s=10,
+                    control_slow_s=slow_phase_limit(1800, 3600, 10))
+    now = 10_000.0
+    saving = beat(0, since=now - 720, written=now, phase="checkpoint", slow=True)
+    compiling = beat(1, since=now - 720, written=now, phase="forward", slow=True)
+    assert [b["rank"] for b in stuck_ranks([saving, compiling], now, limits)] == [1]
+    assert [b["rank"] for b in stuck_ranks([beat(0, since=now - 1900, written=now, phase="checkpoint", slow=True)],
+                                           now, limits)] == [0]
+
+
 def test_the_slow_limit_ends_before_the_collective_timeout():
     """A peer waiting longer than dist.timeout_s fails its collective: the report must come before that."""
     assert slow_phase_limit(1800, collective_timeout_s=600, beat_s=10) == 580

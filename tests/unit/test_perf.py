@@ -84,7 +84,7 @@ def _fake_rank(monkeypatch, rank: int, world: int, listing: list[str]):
     def broadcast_object_list(box, src=0, **_):
         assert src == 0
         if rank != 0:
-            box[0] = list(listing)
+            box[0] = (list(listing), "")
 
     monkeypatch.setattr(dist, "barrier", lambda *a, **k: None)
     monkeypatch.setattr(dist, "broadcast_object_list", broadcast_object_list)
@@ -169,3 +169,30 @@ def test_dense_peaks_by_device_name():
     note = "71% of the H100 SXM's dense bf16 peak"
     detail = judge([], [700.0], Straggler([1.0], 0, 1.0), Thresholds(), 1, note)[1].detail
     assert detail.endswith("; 71% of the H100 SXM's dense bf16 peak")
+
+
+def test_an_unreadable_data_dir_fails_every_rank_with_the_reason(tmp_path, monkeypatch):
+    """Rank 0 cannot list --data: every rank raises the same UserError (none waits for a list that never comes);
+    an unreadable subdirectory is skipped, as Path.rglob skipped it."""
+    import os
+
+    from hpctrain.errors import UserError
+    from hpctrain.perf import measure
+
+    (tmp_path / "ok").mkdir()
+    (tmp_path / "ok" / "a.bin").write_bytes(b"x")
+    real_scandir = os.scandir
+
+    def scandir(path):
+        if str(path).endswith("locked") or str(path) == str(tmp_path / "gone"):
+            raise PermissionError(13, "Permission denied")
+        return real_scandir(path)
+
+    monkeypatch.setattr(measure.os, "scandir", scandir)
+    (tmp_path / "locked").mkdir()
+    assert measure.list_files(str(tmp_path)) == ["ok/a.bin"]
+    from hpctrain.dist.runtime import single_process_runtime
+
+    runtime = single_process_runtime(torch.device("cpu"))
+    with pytest.raises(UserError, match="cannot list --data .*gone: Permission denied"):
+        measure.my_files(runtime, str(tmp_path / "gone"))

@@ -284,8 +284,9 @@ class Checkpointer:
         state = TrainState.from_dict(info)
         _load_into(stateful["model"], self._read(path, "model.pt"), path)
         optim = self._read(path, "optim.pt")
-        for key in ("optimizer", "scheduler", "scaler"):
+        for key in ("optimizer", "scheduler"):
             stateful[key].load_state_dict(optim[key])
+        _load_scaler(stateful["scaler"], optim["scaler"], path, self.runtime.is_main)
         del optim
         if stateful.get("ema") is not None:
             if "ema.pt" not in chosen.files:
@@ -338,6 +339,17 @@ def _read_info(path: Path) -> dict[str, Any]:
     except (ValueError, KeyError, TypeError) as err:
         raise UserError(f"state.json of checkpoint '{path}' is not usable: {type(err).__name__}: {err}",
                         "resume from another checkpoint (ckpt.resume=PATH) or start a new run.dir.") from None
+
+
+def _load_scaler(scaler: Any, saved: dict, path: Path, is_main: bool) -> None:
+    """A run saved without loss scaling (bf16, fp32) and resumed with it (fp16: precision=auto on an older GPU
+    type after a requeue) starts the scale afresh; GradScaler itself refuses an empty state."""
+    if scaler.is_enabled() and not saved:
+        if is_main:
+            log.warning("checkpoint %s was saved without fp16 loss scaling; this launch uses fp16 (train.precision, "
+                        "or precision=auto on another GPU type): the loss scale starts afresh", path)
+        return
+    scaler.load_state_dict(saved)
 
 
 def _failed(step: int, err: Exception) -> SaveOutcome:

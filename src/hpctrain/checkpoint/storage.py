@@ -196,9 +196,38 @@ def read_bytes(path: Path, name: str) -> bytes:
 def load_bytes(data: bytes | bytearray | memoryview, path: Path, name: str) -> Any:
     """load_file for bytes read elsewhere (same map_location and weights_only, same error)."""
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        return torch.load(_BufferReader(data), map_location="cpu", weights_only=True)
     except Exception as err:
         raise _unloadable(path, name, err) from None
+
+
+class _BufferReader(io.RawIOBase):
+    """A seekable file over a buffer, without a copy of it: io.BytesIO copies a bytearray, and a resume then held
+    the file's size three times over on every rank (received bytes, their copy, the loaded tensors)."""
+
+    def __init__(self, data: bytes | bytearray | memoryview) -> None:
+        super().__init__()
+        self._view, self._pos = memoryview(data).cast("B"), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:  # type: ignore[override]
+        n = max(0, min(len(buffer), len(self._view) - self._pos))
+        memoryview(buffer).cast("B")[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
 
 
 def _unloadable(path: Path, name: str, err: Exception) -> UserError:

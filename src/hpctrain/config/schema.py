@@ -271,8 +271,9 @@ class SlurmSection:
     GPUDirect RDMA up to the PCIe host bridge; ethernet: NCCL_NET=Socket, InfiniBand off; none: set nothing and
     let NCCL detect the network."""
     nccl_socket_ifname: str = ""
-    """NCCL_SOCKET_IFNAME (e.g. ib0, or ^lo,docker for 'not these'). A plain interface list is also set as
-    GLOO_SOCKET_IFNAME, for hpctrain's control-plane gloo group. Empty: let NCCL (and gloo) choose."""
+    """NCCL_SOCKET_IFNAME (e.g. ib0, or ^lo,docker for 'not these'). Each process gives gloo (hpctrain's
+    control plane) the first interface of its node that this selects, unless GLOO_SOCKET_IFNAME is set. Empty: let
+    NCCL (and gloo) choose."""
     nccl_debug: Literal["", "VERSION", "WARN", "INFO", "TRACE"] = "WARN"
     """NCCL_DEBUG level. WARN keeps logs small but shows errors; INFO to debug the network setup."""
     env: tuple[str, ...] = ()

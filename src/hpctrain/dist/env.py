@@ -224,6 +224,32 @@ def fault_injection_spec(environ: Mapping[str, str] | None = None) -> str:
     return (os.environ if environ is None else environ).get(FAULT_INJECTION, "")
 
 
+def nccl_ifname_matches(value: str, interfaces: list[str]) -> list[str]:
+    """The interfaces NCCL_SOCKET_IFNAME=value selects: prefixes by default, '=' for exact names, '^' to exclude
+    (NCCL's rules)."""
+    exclude, exact = value.startswith("^"), value.lstrip("^").startswith("=")
+    names = [n for n in value.lstrip("^").lstrip("=").split(",") if n]
+
+    def hit(iface: str) -> bool:
+        return any(iface == n if exact else iface.startswith(n) for n in names)
+
+    return [i for i in interfaces if hit(i) != exclude]
+
+
+def gloo_ifname_from_nccl(environ: Mapping[str, str] | None = None, interfaces: list[str] | None = None) -> str:
+    """The one interface gloo (hpctrain's control plane) should use, from NCCL_SOCKET_IFNAME, when the user set
+    that but not GLOO_SOCKET_IFNAME: gloo takes exact names only (no prefixes, no '^'), and without one it binds
+    to whatever the hostname resolves to (127.0.1.1 on many images), which other nodes cannot reach. '' when
+    there is nothing to derive (gloo then chooses as always)."""
+    env = os.environ if environ is None else environ
+    value = env.get("NCCL_SOCKET_IFNAME", "")
+    if not value or env.get("GLOO_SOCKET_IFNAME"):
+        return ""
+    found = sorted(name for _, name in socket.if_nameindex()) if interfaces is None else interfaces
+    usable = [i for i in nccl_ifname_matches(value, found) if i != "lo"]
+    return usable[0] if usable else ""
+
+
 def gpus_bound_per_task(environ: Mapping[str, str] | None = None) -> bool:
     """CUDA_VISIBLE_DEVICES is set: whoever started this process chose its GPUs (Slurm's per-task binding sets
     it for each task). Unset, every process of a node sees the same devices."""

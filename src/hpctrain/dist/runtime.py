@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import datetime
 import logging
+import os
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from hpctrain.config.schema import DistSection
-from hpctrain.dist.env import LaunchInfo, detect_launch, gpus_bound_per_task
+from hpctrain.dist.env import LaunchInfo, detect_launch, gloo_ifname_from_nccl, gpus_bound_per_task
 from hpctrain.errors import UserError, raised_on_every_rank
 
 log = logging.getLogger(__name__)
@@ -28,10 +29,8 @@ class Runtime(LaunchInfo):
     backend: str
     """Process-group backend ('nccl', 'gloo'), or '' for one process."""
     control: dist.ProcessGroup | None = None
-    """The control plane: a gloo group with dist.control_timeout_s for barriers, object collectives and the stop
-    vote (CPU tensors: no device synchronisation). None for one process."""
-    timeout_s: float = 0.0
-    """The training collectives' timeout (dist.timeout_s); 0 for one process."""
+    """The control plane: a gloo group with dist.control_timeout_s for barriers and object collectives (CPU
+    tensors: no device synchronisation). None for one process."""
 
     @property
     def is_main(self) -> bool:
@@ -63,9 +62,12 @@ def choose_backend(requested: str, cuda: bool, shared_gpu: bool = False) -> str:
 
 
 def shares_one_gpu(launch: LaunchInfo, device: torch.device) -> bool:
-    """Several processes of this node, one visible GPU, and nobody bound GPUs per task: they all have the same one."""
-    return device.type == "cuda" and torch.cuda.device_count() == 1 and launch.local_world_size > 1 \
-        and not gpus_bound_per_task()
+    """Several processes of this node, one visible GPU, and no per-task binding: they all have the same one.
+    torchrun's processes inherit one environment (a CUDA_VISIBLE_DEVICES there, e.g. Slurm's for a one-GPU job,
+    is the same for all); only srun tasks can each be given their own GPU."""
+    if device.type != "cuda" or torch.cuda.device_count() != 1 or launch.local_world_size < 2:
+        return False
+    return launch.launcher != "srun" or not gpus_bound_per_task()
 
 
 def choose_device(launch: LaunchInfo) -> torch.device:
@@ -108,14 +110,16 @@ def init_runtime(launch: LaunchInfo, cfg: DistSection) -> Runtime:
             device_id=device if backend == "nccl" else None,
         )
     control = _control_group(cfg) if backend else None
-    return Runtime(**dataclasses.asdict(launch), device=device, backend=backend, control=control,
-                   timeout_s=float(cfg.timeout_s) if backend else 0.0)
+    return Runtime(**dataclasses.asdict(launch), device=device, backend=backend, control=control)
 
 
 def _control_group(cfg: DistSection) -> dist.ProcessGroup:
     """A gloo group over all ranks with the control plane's longer timeout. Separate even when training runs on
     gloo: the timeouts differ, and a wait for rank 0's file system must not count against the training one.
     (Lightning and Accelerate also keep object collectives off NCCL; here the stop vote goes too.)"""
+    ifname = gloo_ifname_from_nccl()
+    if ifname:
+        os.environ["GLOO_SOCKET_IFNAME"] = ifname  # read by gloo when the group is made, just below
     control = datetime.timedelta(seconds=cfg.control_timeout_s)
     if not hasattr(dist, "set_timeout"):  # torch < 2.14
         return dist.new_group(backend="gloo", timeout=control)

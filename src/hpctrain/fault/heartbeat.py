@@ -112,8 +112,13 @@ class Limits:
     """fault.slow_phase_timeout_s: the same for a slow phase."""
     beat_s: float
     """fault.heartbeat_every_s: how often an alive rank rewrites its file."""
+    control_slow_s: float = 0.0
+    """The slow-phase limit for phases whose waits are on the control plane (a checkpoint save: rank 0 writes,
+    the others wait up to dist.control_timeout_s); 0: slow_s."""
 
     def for_beat(self, beat: dict) -> float:
+        if beat.get("phase") in ALWAYS_SLOW and self.control_slow_s:
+            return max(self.hang_s, self.control_slow_s)
         return max(self.hang_s, self.slow_s) if beat.get("slow") else self.hang_s
 
     @property
@@ -159,10 +164,11 @@ class Watchdog(threading.Thread):
     def __init__(
         self, heartbeat: Heartbeat, directory: Path, every_s: float, hang_timeout_s: float,
         is_main: bool, on_hang: Callable[[list[dict]], None] | None = None, slow_timeout_s: float = 0.0,
+        control_slow_timeout_s: float = 0.0,
     ) -> None:
         super().__init__(name="hpctrain-watchdog", daemon=True)
         self.hb, self.dir, self.every_s = heartbeat, directory, every_s
-        self.limits = Limits(hang_timeout_s, slow_timeout_s, every_s)
+        self.limits = Limits(hang_timeout_s, slow_timeout_s, every_s, control_slow_timeout_s)
         self.is_main, self.on_hang = is_main, on_hang
         self._stop_event = threading.Event()
         self._reported_since: float | None = None

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from hpctrain.dist.collectives import barrier, broadcast_object
 from hpctrain.dist.runtime import Runtime
+from hpctrain.errors import UserError, on_every_rank
 
 
 def bus_bandwidth(algbw: float, world_size: int) -> float:
@@ -154,7 +155,13 @@ def list_files(root: str) -> list[str]:
     found, todo = [], [""]
     while todo:
         rel = todo.pop()
-        with os.scandir(os.path.join(root, rel) if rel else root) as entries:
+        try:
+            entries = os.scandir(os.path.join(root, rel) if rel else root)
+        except PermissionError:
+            if not rel:
+                raise
+            continue  # an unreadable subdirectory: skipped, as Path.rglob does
+        with entries:
             for entry in entries:
                 name = os.path.join(rel, entry.name) if rel else entry.name
                 if entry.is_dir(follow_symlinks=False):  # Path.rglob does not descend into linked directories either
@@ -170,7 +177,15 @@ def my_files(runtime: Runtime, root: str) -> list[tuple[str, int]]:
     share. Listing on every rank, or a stat of every file, would make N ranks x M files metadata operations:
     the storm this probe exists to detect. A name that no longer is a regular file (a link to a directory,
     a file deleted since the listing) is dropped by the rank that owns it."""
-    names = broadcast_object(list_files(root) if runtime.is_main else None, runtime)
+    listing: tuple[list[str], str] = ([], "")
+    if runtime.is_main:
+        try:
+            listing = (list_files(root), "")
+        except OSError as err:  # every rank must hear it, not wait for a list that never comes
+            listing = ([], f"cannot list --data {root}: {err.strerror or err}")
+    names, error = broadcast_object(listing, runtime)
+    if error:
+        raise on_every_rank(UserError(error, "give a readable directory to --data (the data run dirs read)."))
     mine = []
     for name in names[runtime.rank::runtime.world_size]:
         path = os.path.join(root, name)

@@ -233,10 +233,6 @@ def _network(spec: JobSpec) -> str:
     lines += [f"export {k}={v}" for k, v in NCCL_PRESETS[preset]]
     if s.nccl_socket_ifname:
         lines.append(f"export NCCL_SOCKET_IFNAME={q(s.nccl_socket_ifname)}")
-        if not s.nccl_socket_ifname.startswith(("^", "=")):
-            # hpctrain's control plane is a gloo group: the same interface, or gloo binds to whatever the hostname
-            # resolves to (127.0.1.1 on many images) and the other nodes cannot connect. gloo takes no '^' syntax.
-            lines.append(f"export GLOO_SOCKET_IFNAME={q(s.nccl_socket_ifname)}")
     if s.nccl_debug:
         lines.append(f"export NCCL_DEBUG={s.nccl_debug}")
     if s.nodes > 1 or s.launcher == "srun":  # srun tasks meet there even on one node (hpctrain.dist.env)

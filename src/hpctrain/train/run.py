@@ -17,7 +17,7 @@ from hpctrain.dist.collectives import barrier
 from hpctrain.dist.env import fault_injection_spec, stdout_is_terminal, under_hpctrain_agent
 from hpctrain.dist.runtime import Runtime
 from hpctrain.dist.wrap import unwrap_model, wrap_model
-from hpctrain.errors import UserError, on_every_rank
+from hpctrain.errors import UserError, on_every_rank, raised_on_every_rank
 from hpctrain.experiments.base import Experiment
 from hpctrain.fault.alerts import Alerter, resolve_webhook
 from hpctrain.fault.heartbeat import Heartbeat, Watchdog, format_stuck, slow_phase_limit
@@ -125,8 +125,10 @@ def run_training(cfg: RunConfig, runtime: Runtime, experiment: Experiment, confi
     except BaseException as err:
         ctx.fault.signals.uninstall()  # failing: the launcher's SIGTERM should now end this process at once
         watchdog.stop("failed")
-        # Under hpctrain's torchrun wrapper the launcher reports the first failure once, for all ranks.
-        if not under_hpctrain_agent() and not isinstance(err, KeyboardInterrupt):
+        # Under hpctrain's torchrun wrapper the launcher reports the first failure once, for all ranks; without
+        # it (srun tasks) an error every rank raised together is rank 0's to report, not 512 posts.
+        if not under_hpctrain_agent() and not isinstance(err, KeyboardInterrupt) \
+                and (runtime.is_main or not raised_on_every_rank(err)):
             alerter.send("failure", last_step=ctx.state.step, exit_code=1, detail=f"{type(err).__name__}: {err}",
                          log_tail=recent_log_lines())
         raise
@@ -171,7 +173,10 @@ def _start_watchdog(ctx: TrainContext, alerter: Alerter) -> Watchdog:
 
     watchdog = Watchdog(ctx.fault.heartbeat, Path(ctx.cfg.run_dir) / "heartbeat", f.heartbeat_every_s,
                         f.hang_timeout_s, ctx.runtime.is_main, on_hang,
-                        slow_timeout_s=slow_phase_limit(f.slow_phase_timeout_s, ctx.cfg.dist.timeout_s, f.heartbeat_every_s))
+                        slow_timeout_s=slow_phase_limit(f.slow_phase_timeout_s, ctx.cfg.dist.timeout_s, f.heartbeat_every_s),
+                        # a save's waits are on the control plane: the peers fail only after dist.control_timeout_s
+                        control_slow_timeout_s=slow_phase_limit(f.slow_phase_timeout_s, ctx.cfg.dist.control_timeout_s,
+                                                                f.heartbeat_every_s))
     watchdog.beat()  # the file exists from the start (tests and operators find the pid there)
     watchdog.start()
     return watchdog

@@ -44,7 +44,6 @@ export HPCTRAIN_MONITOR_EVERY=5
 # --- network ---
 # NCCL preset: none
 export NCCL_SOCKET_IFNAME=ib0
-export GLOO_SOCKET_IFNAME=ib0
 export NCCL_DEBUG=WARN
 mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 export MASTER_ADDR="${NODES[0]}"

@@ -37,7 +37,6 @@ export HPCTRAIN_MONITOR_EVERY=5
 export NCCL_NET=Socket
 export NCCL_IB_DISABLE=1
 export NCCL_SOCKET_IFNAME=eth0
-export GLOO_SOCKET_IFNAME=eth0
 export NCCL_DEBUG=WARN
 mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 export MASTER_ADDR="${NODES[0]}"
