@@ -1,12 +1,16 @@
+import dataclasses
 from collections import Counter
 
 import pytest
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 from hpctrain.config.batch import plan_batches
-from hpctrain.data.loader import KeyedDataset
+from hpctrain.config.schema import DataSection
+from hpctrain.data.loader import KeyedDataset, build_loader
 from hpctrain.data.sampler import EvalBatchSampler, SampleKey, StepBatchSampler
 from hpctrain.data.seeding import mix_seed
+from hpctrain.dist.runtime import single_process_runtime
 
 
 def steps_of(n, global_batch, micro, world, seed=0, epoch=0, start=0):
@@ -79,3 +83,26 @@ def test_augmentation_seed_depends_on_seed_epoch_index_only():
     assert not torch.equal(a, ds[SampleKey(3, 7)])
     assert not torch.equal(a, KeyedDataset(data, ds.transform, seed=4)[SampleKey(2, 7)])
     assert mix_seed(1, 2) != mix_seed(2, 1)
+
+
+def test_loader_without_workers_matches_torch_dataloader_batches_and_rng():
+    """The in-process path (no workers, no pinning) yields DataLoader's batches and draws from the global RNG
+    what DataLoader draws, so a model's random stream does not change with it."""
+    data = TensorDataset(torch.arange(40.0).view(20, 2), torch.arange(20))
+    sampler = StepBatchSampler(20, plan_batches(4, 2, 1), 0, seed=5)
+    cfg = dataclasses.replace(DataSection(), num_workers=0, pin_memory=False)
+    loader = build_loader(data, sampler, cfg, single_process_runtime(torch.device("cpu")), seed=5)
+
+    def two_epochs(iterable):
+        torch.manual_seed(0)
+        batches = []
+        for epoch in range(2):
+            sampler.set_position(epoch, 0)
+            batches += list(iterable)
+        return batches, torch.rand(3)
+
+    ours, ours_next_draw = two_epochs(loader)
+    torch_batches, torch_next_draw = two_epochs(DataLoader(loader.loader.dataset, batch_sampler=sampler))
+    assert len(ours) == len(torch_batches) == 20  # 5 steps of 2 micro-batches, twice
+    assert all(torch.equal(a, b) for x, y in zip(ours, torch_batches) for a, b in zip(x, y))
+    assert torch.equal(ours_next_draw, torch_next_draw)

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpctrain.checkpoint.policy import save_due
 from hpctrain.dist.collectives import all_reduce_sums, broadcast_buffers
+from hpctrain.dist.wrap import ddp_of
 from hpctrain.train.context import TrainContext
 from hpctrain.train.device import to_device
 from hpctrain.train.evaluate import evaluate
@@ -54,29 +54,41 @@ def train(ctx: TrainContext) -> LoopResult:
 
 def optimizer_step(ctx: TrainContext, batches: Iterator, window: "_Window") -> tuple[torch.Tensor, torch.Tensor | None]:
     """One optimizer step over grad_accum micro-batches; returns this rank's mean loss (on device, no sync)."""
+    accum = ctx.plan.grad_accum
+    if accum == 1:
+        # The usual case, without an accumulator tensor and its two ops per step: (0 + x) / 1 is x, bit for bit.
+        loss = micro_step(ctx, batches, window, last=True)
+    else:
+        loss_sum = torch.zeros((), device=ctx.runtime.device)
+        for micro in range(accum):
+            loss_sum += micro_step(ctx, batches, window, last=micro == accum - 1)
+        loss = loss_sum / accum
+    ctx.fault.heartbeat.mark("optimizer")
+    return loss, apply_gradients(ctx)
+
+
+def micro_step(ctx: TrainContext, batches: Iterator, window: "_Window", last: bool) -> torch.Tensor:
+    """Forward and backward of one micro-batch; returns its loss, detached, in fp32."""
     model, accum, hb = ctx.model, ctx.plan.grad_accum, ctx.fault.heartbeat
-    loss_sum = torch.zeros((), device=ctx.runtime.device)
-    for micro in range(accum):
-        hb.mark("data")
-        waited = time.perf_counter()
-        host_batch = next(batches)
-        window.data_wait += time.perf_counter() - waited  # time the loader, not the model, held this rank up
-        batch = to_device(host_batch, ctx.runtime.device, ctx.cfg.train.channels_last)
-        # DDP all-reduces gradients during backward; before the last micro-step that work
-        # would be thrown away, so no_sync keeps the gradients local until then.
-        last = micro == accum - 1
-        sync = contextlib.nullcontext() if last or not isinstance(model, DDP) else model.no_sync()
-        with sync:
-            hb.mark("forward")
-            with ctx.precision.autocast():
-                loss = ctx.experiment.train_loss(model, batch)
-            hb.mark("backward")
-            # loss is a micro-batch mean; / accum makes the accumulated gradient this rank's mean,
-            # and DDP averages over ranks: the gradient of the mean over the global batch.
-            ctx.scaler.scale(loss / accum).backward()
-        loss_sum += loss.detach().float()
-    hb.mark("optimizer")
-    return loss_sum / accum, apply_gradients(ctx)
+    hb.mark("data")
+    waited = time.perf_counter()
+    host_batch = next(batches)
+    window.data_wait += time.perf_counter() - waited  # time the loader, not the model, held this rank up
+    batch = to_device(host_batch, ctx.runtime.device, ctx.cfg.train.channels_last)
+    # DDP all-reduces gradients during backward; before the last micro-step that work
+    # would be thrown away, so no_sync keeps the gradients local until then.
+    ddp = ddp_of(model)  # under torch.compile too: the compiled module wraps DDP
+    sync = contextlib.nullcontext() if last or ddp is None else ddp.no_sync()
+    with sync:
+        hb.mark("forward")
+        with ctx.precision.autocast():
+            loss = ctx.experiment.train_loss(model, batch)
+        hb.mark("backward")
+        # loss is a micro-batch mean; / accum makes the accumulated gradient this rank's mean,
+        # and DDP averages over ranks: the gradient of the mean over the global batch. Not divided
+        # by 1: an op per step for the same gradient.
+        ctx.scaler.scale(loss / accum if accum > 1 else loss).backward()
+    return loss.detach().float()
 
 
 def apply_gradients(ctx: TrainContext) -> torch.Tensor | None:
