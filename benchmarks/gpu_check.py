@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
+# hpctrain trains on the GPU there while the plain loop and the peers run on the CPU: not like with like.
+OVERHEAD_CPU_ONLY = "its plain loop and peers run on the CPU only, so on a GPU the ratio would compare devices"
 NO_CUDA = "no CUDA device: skipped; run on a GPU node"
 ONE_GPU_NCCL = ("one GPU: NCCL refuses two ranks on one GPU ('Duplicate GPU detected', NCCL >= 2.5); "
                 "needs 2 GPUs (the shared-GPU stage runs 2 ranks on it over gloo)")
@@ -280,11 +282,11 @@ def needs_gpus(n: int, why: str = "") -> Callable[[Context], str]:
     return skip
 
 
-def needs_option(script: str, option: str) -> Callable[[Context], str]:
+def needs_option(script: str, option: str, why: str = "") -> Callable[[Context], str]:
     def skip(ctx: Context) -> str:
         if ctx.gpus == 0:
             return NO_CUDA
-        return "" if option in ctx.help_of(script) else f"{script} has no {option} option yet: skipped"
+        return "" if option in ctx.help_of(script) else f"{script} has no {option} option yet: skipped ({why})"
 
     return skip
 
@@ -333,9 +335,9 @@ STAGES: list[Stage] = [
     # cuda:0. NCCL refuses two ranks on one GPU, so the data plane is gloo here, on CUDA tensors.
     Stage("train-2proc-shared-gpu", _train("train-2proc-shared-gpu", 2, "dist.backend=gloo"), 400,
           env=_first_gpu, numbers=train_numbers("train-2proc-shared-gpu", "gloo/cuda")),
-    Stage("overhead-mlp", _overhead("mlp"), 600, skip=needs_option("benchmarks/overhead.py", "--model"),
+    Stage("overhead-mlp", _overhead("mlp"), 600, skip=needs_option("benchmarks/overhead.py", "--device", OVERHEAD_CPU_ONLY),
           numbers=overhead_numbers),
-    Stage("overhead-tiny", _overhead("tiny"), 600, skip=needs_option("benchmarks/overhead.py", "--model"),
+    Stage("overhead-tiny", _overhead("tiny"), 600, skip=needs_option("benchmarks/overhead.py", "--device", OVERHEAD_CPU_ONLY),
           numbers=overhead_numbers),
     Stage("checkpoint-stall", lambda ctx: [ctx.python, "benchmarks/checkpoint.py", "--repeats", "3", "--device", "cuda",
                                            "--dir", str(ctx.out)], 600, numbers=checkpoint_numbers),
