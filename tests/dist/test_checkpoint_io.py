@@ -30,7 +30,7 @@ def _runtime(rank: int, store: Path):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD, timeout=timeout)
     launch = LaunchInfo("torchrun", rank, rank, WORLD, WORLD, 0, 1, "127.0.0.1", 0, "localhost", "")
     return Runtime(**dataclasses.asdict(launch), device=torch.device("cpu"), backend="gloo",
-                   control=dist.new_group(backend="gloo", timeout=timeout), timeout_s=60.0)
+                   control=dist.new_group(backend="gloo", timeout=timeout))
 
 
 def _draws() -> list[float]:

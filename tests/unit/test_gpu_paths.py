@@ -142,13 +142,27 @@ def test_gloo_gets_one_exact_interface_from_nccls_prefix_rules():
     name, and without one binds to what the hostname resolves to (127.0.1.1 on many images)."""
     from hpctrain.dist.env import gloo_ifname_from_nccl
 
-    nics = ["docker0", "eth0", "ib0", "ib1", "lo"]
+    nics = {"lo": "127.0.0.1", "eth0": "10.0.0.5", "docker0": "172.17.0.1", "ib0": "10.1.0.5", "ib1": "10.2.0.5"}
     assert gloo_ifname_from_nccl({"NCCL_SOCKET_IFNAME": "ib"}, nics) == "ib0"
     assert gloo_ifname_from_nccl({"NCCL_SOCKET_IFNAME": "=ib1"}, nics) == "ib1"
     assert gloo_ifname_from_nccl({"NCCL_SOCKET_IFNAME": "^lo,docker"}, nics) == "eth0"
     assert gloo_ifname_from_nccl({"NCCL_SOCKET_IFNAME": "ib", "GLOO_SOCKET_IFNAME": "eth0"}, nics) == ""  # the user's
     assert gloo_ifname_from_nccl({"NCCL_SOCKET_IFNAME": "hsn"}, nics) == ""  # no match: doctor reports it
     assert gloo_ifname_from_nccl({}, nics) == ""
+    # only interfaces with an address count (an unconfigured eno1 is absent from the map)
+    assert gloo_ifname_from_nccl({"NCCL_SOCKET_IFNAME": "en,ib"}, nics) == "ib0"
+
+
+def test_gloo_prefers_the_interface_that_routes_to_the_master(monkeypatch):
+    """'^docker0,lo' also matches a Docker network bridge (br-...), whose address is the same on every node:
+    the interface the kernel routes MASTER_ADDR through wins."""
+    from hpctrain.dist import env
+
+    nics = {"lo": "127.0.0.1", "br-1a2b": "172.18.0.1", "eth0": "10.0.0.5"}
+    monkeypatch.setattr(env, "_source_address", lambda host: "10.0.0.5" if host == "node1" else "")
+    assert env.gloo_ifname_from_nccl({"NCCL_SOCKET_IFNAME": "^docker0,lo", "MASTER_ADDR": "node1"}, nics) == "eth0"
+    assert env.gloo_ifname_from_nccl({"NCCL_SOCKET_IFNAME": "^docker0,lo"}, nics) == "br-1a2b"  # no master: first
+    assert "lo" in env.interface_addresses()  # the real listing works here
 
 
 def test_the_vote_on_gloo_uses_cpu_tensors_on_the_training_group(monkeypatch):

@@ -196,3 +196,22 @@ def test_an_unreadable_data_dir_fails_every_rank_with_the_reason(tmp_path, monke
     runtime = single_process_runtime(torch.device("cpu"))
     with pytest.raises(UserError, match="cannot list --data .*gone: Permission denied"):
         measure.my_files(runtime, str(tmp_path / "gone"))
+
+
+def test_a_file_this_rank_cannot_open_is_skipped_not_raised(tmp_path, monkeypatch):
+    """Raised on one rank alone, the others would wait for it at the next collective."""
+    from hpctrain.dist.runtime import single_process_runtime
+    from hpctrain.perf import measure
+
+    for i in range(3):
+        (tmp_path / f"f{i}.bin").write_bytes(b"x" * 100)
+    real_open = measure.os.open
+
+    def refusing_open(path, flags, *a):
+        if str(path).endswith("f1.bin"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(measure.os, "open", refusing_open)
+    probe = measure.data_read_probe(single_process_runtime(torch.device("cpu")), str(tmp_path), 10_000)
+    assert probe.bytes_read == 200

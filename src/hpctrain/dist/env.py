@@ -236,18 +236,51 @@ def nccl_ifname_matches(value: str, interfaces: list[str]) -> list[str]:
     return [i for i in interfaces if hit(i) != exclude]
 
 
-def gloo_ifname_from_nccl(environ: Mapping[str, str] | None = None, interfaces: list[str] | None = None) -> str:
+def gloo_ifname_from_nccl(environ: Mapping[str, str] | None = None, addresses: Mapping[str, str] | None = None) -> str:
     """The one interface gloo (hpctrain's control plane) should use, from NCCL_SOCKET_IFNAME, when the user set
     that but not GLOO_SOCKET_IFNAME: gloo takes exact names only (no prefixes, no '^'), and without one it binds
-    to whatever the hostname resolves to (127.0.1.1 on many images), which other nodes cannot reach. '' when
-    there is nothing to derive (gloo then chooses as always)."""
+    to whatever the hostname resolves to (127.0.1.1 on many images), which other nodes cannot reach.
+    As NCCL does, only interfaces with an address count, in the kernel's order; among several, the one this node
+    routes MASTER_ADDR through (a Docker or libvirt bridge also matches '^docker0,lo', with the same address on
+    every node). '' when there is nothing to derive: gloo then chooses as always."""
     env = os.environ if environ is None else environ
     value = env.get("NCCL_SOCKET_IFNAME", "")
     if not value or env.get("GLOO_SOCKET_IFNAME"):
         return ""
-    found = sorted(name for _, name in socket.if_nameindex()) if interfaces is None else interfaces
-    usable = [i for i in nccl_ifname_matches(value, found) if i != "lo"]
-    return usable[0] if usable else ""
+    have = interface_addresses() if addresses is None else addresses
+    usable = [i for i in nccl_ifname_matches(value, list(have)) if not have[i].startswith("127.")]
+    route = _source_address(env.get("MASTER_ADDR", ""))
+    preferred = [i for i in usable if have[i] == route]
+    return (preferred or usable or [""])[0]
+
+
+def interface_addresses() -> dict[str, str]:
+    """IPv4 address of each interface that has one, in the kernel's interface order (Linux SIOCGIFADDR)."""
+    import fcntl
+    import struct
+
+    found = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:  # down, or no IPv4 address
+                continue
+            found[name] = socket.inet_ntoa(packed[20:24])
+    return found
+
+
+def _source_address(host: str) -> str:
+    """This node's address on the route to host ('' if unknown). A UDP connect only asks the kernel's routing
+    table: no packet is sent."""
+    if not host:
+        return ""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return ""
 
 
 def gpus_bound_per_task(environ: Mapping[str, str] | None = None) -> bool:

@@ -99,6 +99,9 @@ def init_runtime(launch: LaunchInfo, cfg: DistSection) -> Runtime:
         log.warning("%d processes share this node's one GPU: gloo instead of NCCL (slow all-reduce)",
                     launch.local_world_size)
     if backend:
+        ifname = gloo_ifname_from_nccl()
+        if ifname:  # read by gloo when a group is made: the control group, and the training one on CPU nodes
+            os.environ["GLOO_SOCKET_IFNAME"] = ifname
         init_method = "env://" if launch.launcher == "torchrun" else f"tcp://{launch.master_addr}:{launch.master_port}"
         dist.init_process_group(
             backend=backend,
@@ -117,9 +120,6 @@ def _control_group(cfg: DistSection) -> dist.ProcessGroup:
     """A gloo group over all ranks with the control plane's longer timeout. Separate even when training runs on
     gloo: the timeouts differ, and a wait for rank 0's file system must not count against the training one.
     (Lightning and Accelerate also keep object collectives off NCCL; here the stop vote goes too.)"""
-    ifname = gloo_ifname_from_nccl()
-    if ifname:
-        os.environ["GLOO_SOCKET_IFNAME"] = ifname  # read by gloo when the group is made, just below
     control = datetime.timedelta(seconds=cfg.control_timeout_s)
     if not hasattr(dist, "set_timeout"):  # torch < 2.14
         return dist.new_group(backend="gloo", timeout=control)

@@ -206,8 +206,13 @@ def data_read_probe(runtime: Runtime, root: str, max_bytes: int, max_opens: int 
     total = sum(size for _, size in files)
     barrier(runtime)
     start = time.perf_counter()
+    # A file this rank cannot open (another user's mode 0600, deleted since the listing) is skipped, not raised:
+    # raised on one rank alone, the others would wait for it at the next collective.
     for path, _ in files[:max_opens]:
-        fd = os.open(path, os.O_RDONLY)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
         os.fstat(fd)
         os.close(fd)
     opens = min(len(files), max_opens) / max(time.perf_counter() - start, 1e-9)
@@ -215,7 +220,10 @@ def data_read_probe(runtime: Runtime, root: str, max_bytes: int, max_opens: int 
     for path, _ in files:
         if read >= max_bytes:
             break
-        read += _read_cold(path, max_bytes - read)
+        try:
+            read += _read_cold(path, max_bytes - read)
+        except OSError:
+            continue
     seconds = max(time.perf_counter() - start, 1e-9)
     return DataProbe(len(files), total / max(len(files), 1), opens, read / seconds / 1e6, read)
 

@@ -146,6 +146,7 @@ def after_step(ctx: TrainContext, window: "_Window", epoch_ended: bool) -> tuple
 def _save(ctx: TrainContext, wait: bool) -> None:
     ctx.fault.heartbeat.mark("checkpoint")
     ctx.checkpointer.save(ctx.state, ctx.stateful(), wait=wait)
+    ctx.fault.heartbeat.mark("sync")  # out of the checkpoint phase: its control-plane limit must not cover what follows
     ctx.fault.last_save = time.monotonic()
 
 
