@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -106,15 +107,25 @@ def test_preemption_signal_checkpoints_requeues_and_resumes_to_the_same_result(c
     state = json.loads((run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
                         / "state.json").read_text())
     assert state["step"] == 40
-    # Not bit-identical with 4 ranks: DDP builds its gradient buckets in parameter order and rebuilds them in
-    # gradient-ready order after a process's first step, so the first step after a resume all-reduces each
-    # gradient at another offset, and gloo's ring adds 4 values in another order there (last-bit rounding).
-    # With 2 ranks (a + b = b + a) the same Slurm preemption path was bit-identical.
+    # Not bit-identical to the uninterrupted run with 4 ranks: DDP builds its gradient buckets in parameter order and
+    # rebuilds them in gradient-ready order after a process's first step, so the first step after a resume
+    # all-reduces at other offsets and gloo's ring adds 4 values in another order (last-bit rounding), which this
+    # batch-norm model at lr 3e-3 amplifies over the remaining steps by an amount that depends on the step the
+    # signal lands at (timing): stopped at step 17, params differ by up to 1% at step 40, as they did before issue 13.
+    # So the exact comparison is with a local 4-process run stopped at the same step and resumed: the preemption
+    # path (signal, requeue, Slurm relaunch) must add nothing to what a resume does.
+    stopped_at = int(re.search(r"stopped by SIGUSR2 at step (\d+)", log).group(1))
+    local = tmp_path / "local"
+    overrides = [o for o in COMMON if not o.startswith(("slurm.", "fault."))] + ["data.num_workers=1"]
+    for extra in ([f"train.stop_at_step={stopped_at}"], []):
+        res = run_hpctrain(["train", "digits", "--nproc-per-node", "4", f"run.dir={local}", *overrides, *extra],
+                           env={"HPCTRAIN_FAULT": PAUSE}, timeout=180)
+        assert res.returncode == 0, res.output
+    assert val_records(run_dir) == val_records(local)
+    assert same_params(final_params(run_dir), final_params(local))
     ours, theirs = val_records(run_dir)[-1], val_records(reference)[-1]
     assert ours["step"] == theirs["step"] == 40 and ours["accuracy"] == theirs["accuracy"]
-    assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
-    a, b = final_params(run_dir), final_params(reference)
-    assert a.keys() == b.keys() and all(torch.allclose(a[k].float(), b[k].float(), rtol=1e-4, atol=1e-6) for k in a)
+    assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-3)  # same run, up to the amplified rounding
 
 
 def test_killed_worker_fails_the_job_fast_and_names_its_host(cluster, tmp_path):

@@ -128,3 +128,14 @@ def test_a_process_frozen_holding_the_interpreter_lock_still_leaves_all_its_stac
     assert "most recent call first" in text and "hold_the_lock_in_c" in text
     # The frozen main thread and the watchdog; twice if a starved watchdog let the timer fire once before.
     assert text.count("Thread 0x") + text.count("Current thread 0x") in (2, 4)
+
+
+def test_a_rank_stuck_outside_a_collective_is_named_before_its_waiting_peer():
+    """Rank 1 hangs entering its forward a millisecond after rank 0 entered the backward's all-reduce (seen in
+    CI): the report names rank 1 first, the likely cause, though rank 0's phase began earlier."""
+    now = 1000.0
+    waiting = beat(0, since=900.000, written=now - 1, phase="backward")
+    hung = beat(1, since=900.001, written=now - 1, phase="forward")
+    assert [b["rank"] for b in stuck_ranks([waiting, hung], now, LIMITS)] == [1, 0]
+    both_waiting = [beat(0, since=900.0, written=now - 1, phase="sync"), beat(1, since=899.0, written=now - 1, phase="sync")]
+    assert [b["rank"] for b in stuck_ranks(both_waiting, now, LIMITS)] == [1, 0]  # then the one that stopped first

@@ -131,8 +131,15 @@ class Limits:
         return min(wanted, max(2 * self.beat_s, self.hang_s - self.beat_s)) if self.hang_s else wanted
 
 
+WAITING_PHASES = frozenset({"backward", "sync"})
+"""Phases in which a rank waits for its peers every step (DDP's gradient all-reduce, the step vote): a rank stuck
+there is more likely the consequence of a peer stuck elsewhere than the cause."""
+
+
 def stuck_ranks(beats: list[dict], now: float, limits: Limits) -> list[dict]:
-    """Ranks without progress for longer than their phase's limit, the one that stopped first first;
+    """Ranks without progress for longer than their phase's limit, likely causes first: ranks stuck where no peer
+    is awaited before those waiting in a collective, then the one that stopped first first (the two can be a
+    millisecond apart: a rank that hangs entering its forward, its peer entering the backward's all-reduce);
     each with stuck_s, and unwritten_s when its file is stale (the process itself is frozen or stopped)."""
     stale = []
     for b in beats:
@@ -142,7 +149,7 @@ def stuck_ranks(beats: list[dict], now: float, limits: Limits) -> list[dict]:
         if b["phase"] == "done" or not (frozen or now - b["since"] > limits.for_beat(b)):
             continue
         stale.append(b | {"stuck_s": now - b["since"], "frozen": frozen, "unwritten_s": unwritten})
-    return sorted(stale, key=lambda b: b["since"])
+    return sorted(stale, key=lambda b: (b["phase"] in WAITING_PHASES and not b["frozen"], b["since"]))
 
 
 def format_stuck(stale: list[dict]) -> str:
