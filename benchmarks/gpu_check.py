@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from hpctrain.proctree import kill_tree
+
 ROOT = Path(__file__).resolve().parent.parent
 # hpctrain trains on the GPU there while the plain loop and the peers run on the CPU: not like with like.
 OVERHEAD_CPU_ONLY = "its plain loop and peers run on the CPU only, so on a GPU the ratio would compare devices"
@@ -349,26 +351,8 @@ STAGES: list[Stage] = [
 
 # ---- running -------------------------------------------------------------------------------------------------
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below pid, from /proc (torchrun's workers run in sessions of their own)."""
-    found, todo = [], [pid]
-    while todo:
-        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
-            try:
-                kids = [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            found += kids
-            todo += kids
-    return found
-
-
 def _kill_tree(proc: subprocess.Popen) -> None:
-    for pid in [*_descendants(proc.pid), proc.pid]:  # children first found, while they still hang below us
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill_tree(proc.pid)
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # the stage's own session
     except (ProcessLookupError, PermissionError):

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from hpctrain.proctree import descendants, kill_tree  # noqa: F401 (descendants: imported by tests)
 
 TESTS = Path(__file__).resolve().parent
 
@@ -45,30 +46,6 @@ def run_hpctrain(args: list[str], timeout: float = 120, cwd: Path | None = None,
         out, err = proc.communicate(timeout=30)
         pytest.fail(f"hpctrain {' '.join(args)} hung for {timeout} s (hard timeout)\n{out}\n{err}")
     return Result(proc.returncode, out, err)
-
-
-def descendants(pid: int) -> list[int]:
-    """All processes below ``pid``, from /proc. torchrun's workers run in sessions of their own, so killing a
-    process group does not reach them."""
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            try:
-                kids = [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            found += kids
-            todo += kids
-    return found
-
-
-def kill_tree(pid: int) -> None:
-    for p in [pid, *descendants(pid)]:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def final_params(run_dir: Path) -> dict:
