@@ -176,6 +176,8 @@ class Checkpointer:
         }
         if stateful.get("ema") is not None:
             files["ema.pt"] = stateful["ema"].state_dict()
+        if stateful.get("experiment") is not None:
+            files["experiment.pt"] = stateful["experiment"].state_dict()
         return files
 
     def _meta(self, state: TrainState) -> dict[str, Any]:
@@ -293,6 +295,8 @@ class Checkpointer:
                 raise on_every_rank(UserError(f"checkpoint '{path}' has no EMA weights, but optim.ema_decay > 0",
                                               "set optim.ema_decay=0 or start a new run."))
             _load_into(stateful["ema"], self._read(path, "ema.pt"), path)
+        if stateful.get("experiment") is not None:
+            _load_experiment_state(stateful["experiment"], chosen, self)
         saved_world = int(info["world_size"])
         if saved_world == self.runtime.world_size:
             restore_rng(self._own_rng(path), self.runtime.device)
@@ -364,6 +368,15 @@ def _raise_if_failed(outcome: SaveOutcome | None, root: Path) -> None:
         hint = "free disk space or fix the file system, then resume; the previous checkpoint is intact."
         raise on_every_rank(UserError(message, hint))
     raise on_every_rank(RuntimeError(f"{message} (the previous checkpoint is intact)"))
+
+
+def _load_experiment_state(experiment: Any, chosen: "_Chosen", manager: "Checkpointer") -> None:
+    if "experiment.pt" not in chosen.files:
+        if manager.runtime.is_main:
+            log.warning("checkpoint '%s' holds no experiment state (saved by an experiment version without any): "
+                        "the experiment's state starts fresh", chosen.path)
+        return
+    experiment.load_state_dict(manager._read(chosen.path, "experiment.pt"))
 
 
 def _load_into(module: nn.Module, state_dict: Mapping[str, Any], path: Path) -> None:

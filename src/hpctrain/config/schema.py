@@ -99,6 +99,11 @@ class DataSection:
     """Sharded sets: shards are read in aligned blocks of this size (large sequential reads)."""
     read_cache_mb: int = 128
     """Sharded sets: block cache per loader process; make it hold a shuffle window's bytes."""
+    on_device: bool = False
+    """Hold the whole training set in device memory (the experiment's TensorDataset, e.g. CIFAR-10's 150 MB of
+    uint8) and cut each micro-batch there: no loader processes, no host-to-device copy per step. Augmentation runs
+    batched on the device (the experiment's device_transform); same order and world-size independence as the
+    loader."""
     worker_start: Literal["forkserver", "spawn", "fork"] = "forkserver"
     """How loader workers start. fork copies a process that has threads (watchdog, process group), and a
     child can deadlock in CPython's after-fork handler (seen here, 1 run in ~60); forkserver forks from a
@@ -123,6 +128,11 @@ class LogSection:
     """Also write TensorBoard event files (when the tensorboard package is installed)."""
     plots: bool = True
     """Draw PNG plots of the curves into RUN_DIR/plots at the end of the run."""
+    outputs_every_steps: int = 0
+    """Run the experiment's outputs (samples, pictures; on all ranks, into RUN_DIR/images) every this many
+    optimizer steps; 0: not by steps. They also run at the end of the run."""
+    outputs_every_epochs: int = 0
+    """The same every this many epochs; 0: not by epochs."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -56,6 +56,8 @@ def validate(cfg: RunConfig) -> None:
     _require(cfg.eval.every_steps >= 0, "eval.every_steps", "must be >= 0")
     _require(cfg.eval.micro_batch_size >= 0, "eval.micro_batch_size", "must be >= 0")
     _require(cfg.log.every_steps > 0, "log.every_steps", "must be positive")
+    _require(cfg.log.outputs_every_steps >= 0, "log.outputs_every_steps", "must be >= 0 (0: not by steps)")
+    _require(cfg.log.outputs_every_epochs >= 0, "log.outputs_every_epochs", "must be >= 0 (0: not by epochs)")
     _require(cfg.ckpt.every_steps >= 0, "ckpt.every_steps", "must be >= 0 (0: only at the end)")
     _require(cfg.ckpt.keep_last >= 1, "ckpt.keep_last", "must be >= 1: the latest checkpoint is always kept")
     _require(cfg.dist.timeout_s > 0, "dist.timeout_s", "must be positive")

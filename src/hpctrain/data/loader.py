@@ -120,6 +120,14 @@ class SkipCountingLoader:
     def __len__(self) -> int:
         return len(self.loader)
 
+    @property
+    def batch_sampler(self) -> Any:
+        return self.loader.batch_sampler
+
+    @property
+    def dataset(self) -> Dataset:
+        return self.loader.dataset
+
     def __iter__(self) -> Iterator[Any]:
         for item in self._batches():
             if self.counting:

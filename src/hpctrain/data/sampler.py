@@ -94,10 +94,13 @@ class EvalBatchSampler(Sampler[list[int]]):
         self.rank = rank
         self.world_size = world_size
 
+    def starts(self) -> range:
+        """The first index of each batch this rank yields, in order."""
+        return range(self.rank * self.batch_size, self.num_samples, self.world_size * self.batch_size)
+
     def __iter__(self) -> Iterator[list[int]]:
-        b = self.batch_size
-        for start in range(self.rank * b, self.num_samples, self.world_size * b):
-            yield list(range(start, min(start + b, self.num_samples)))
+        for start in self.starts():
+            yield list(range(start, min(start + self.batch_size, self.num_samples)))
 
     def __len__(self) -> int:
         chunks = -(-self.num_samples // self.batch_size)

@@ -37,6 +37,40 @@ def all_reduce_sums(stats: Mapping[str, torch.Tensor | float], runtime: Runtime)
     return dict(zip(names, packed.tolist()))
 
 
+def all_reduce_tensors(stats: Mapping[str, torch.Tensor], runtime: Runtime) -> dict[str, torch.Tensor]:
+    """Sum named tensors of any shapes (a confusion matrix, a histogram) over all ranks in one collective, in
+    float64; returned on the CPU with their shapes. Every rank must pass the same names and shapes."""
+    names = sorted(stats)
+    parts = [torch.as_tensor(stats[n], dtype=torch.float64).to(runtime.device) for n in names]
+    packed = torch.cat([p.reshape(-1) for p in parts]) if parts else torch.zeros(0, dtype=torch.float64)
+    if runtime.distributed and parts:
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM)
+    flat = packed.cpu()  # once, at the end of a validation: the one synchronisation it needs
+    out, at = {}, 0
+    for name, part in zip(names, parts):
+        out[name] = flat[at : at + part.numel()].reshape(part.shape)
+        at += part.numel()
+    return out
+
+
+def gather_tensor_to_main(part: torch.Tensor, runtime: Runtime) -> torch.Tensor | None:
+    """Every rank's tensor concatenated along dim 0 in rank order, on rank 0 (on the CPU); None elsewhere. Parts
+    may differ in length along dim 0, not in their other dims or dtype. Data plane (device tensors, NCCL on
+    GPUs): for images or predictions, which may be large."""
+    if not runtime.distributed:
+        return part.detach().cpu()
+    lengths = gather_objects(int(part.shape[0]), runtime)
+    longest = max(lengths)
+    padded = part.detach().to(runtime.device)
+    if padded.shape[0] < longest:  # all_gather needs equal shapes
+        padded = torch.cat([padded, padded.new_zeros((longest - padded.shape[0], *padded.shape[1:]))])
+    slots = [torch.empty_like(padded) for _ in range(runtime.world_size)]
+    dist.all_gather(slots, padded.contiguous())
+    if not runtime.is_main:
+        return None
+    return torch.cat([slot[:n] for slot, n in zip(slots, lengths)]).cpu()
+
+
 def broadcast_object(obj: Any, runtime: Runtime, src: int = 0) -> Any:
     if not runtime.distributed:
         return obj

@@ -3,23 +3,35 @@ group, the checkpoints and the logs; an experiment says what the model, the data
 loss and the metrics are.
 
 Metrics are computed from *sufficient statistics*: ``eval_stats`` returns sums (and
-counts) for one batch, hpctrain adds them over batches and ranks (one all-reduce),
-and ``metrics`` turns the totals into numbers. That is what makes 1 and N processes
-report the same validation metrics.
+counts) for one batch, scalars or tensors of any fixed shape (a confusion matrix), hpctrain
+adds them over batches and ranks (one all-reduce), and ``metrics`` turns the totals into
+numbers. That is what makes 1 and N processes report the same validation metrics.
+
+Randomness that belongs to a sample (a diffusion model's timestep and noise) comes from
+``BatchInfo``: drawn by position in the global batch (training) or in the validation set,
+so it does not depend on the number of processes.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable, ClassVar, Mapping
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
 from hpctrain.config.schema import NoModelOptions, RunConfig
+from hpctrain.data.positional import positional_rand, positional_randint, positional_randn
+
+if TYPE_CHECKING:
+    from hpctrain.train.outputs import Outputs
+
+VAL_BLOCK = 256
+"""Validation draws come in blocks of this many samples: independent of the eval batch size and the world size."""
 
 
 @dataclass(frozen=True)
@@ -31,6 +43,53 @@ class Datasets:
     train_transform: Callable[[Any, torch.Generator], Any] | None = None
     """Training augmentation ``(sample, generator) -> sample``; the generator is seeded from (seed, epoch, index).
     hpctrain calls it only when data.augment is true."""
+    collate_fn: Callable[[list[Any]], Any] | None = None
+    """Builds a batch from a list of samples (both splits); None: torch's default_collate. E.g.
+    hpctrain.data.gpu_decode.collate_encoded for decoding on the GPU."""
+    device_transform: Callable[[Any, torch.Tensor], Any] | None = None
+    """With data.on_device: batched augmentation on the device, ``(batch, u) -> batch``, where u holds
+    device_draws uniforms in [0, 1) per sample (shape B x device_draws), drawn per (seed, epoch, sample index)."""
+    device_draws: int = 1
+    """Uniforms per sample that device_transform receives."""
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    """Where a batch sits, and random numbers drawn by the positions of its samples. ``split`` 'train': positions
+    in the step's global batch (all ranks together), one block per step; 'val': positions in the validation set,
+    the same for every evaluation (so validation losses of different steps are comparable)."""
+
+    split: str
+    """'train' or 'val'."""
+    step: int
+    """Training: the optimizer step this batch belongs to (0-based). Validation: the step validated at."""
+    start: int
+    """Position of the batch's first sample: in the global batch (train) or in the validation set (val)."""
+    total: int
+    """Global batch size (train) or validation-set size (val)."""
+    seed: int
+    """run.seed."""
+
+    def _draw_key(self, stream: int) -> tuple[tuple[int, ...], int]:
+        if self.split == "train":
+            return (self.seed, 0, self.step, stream), self.total
+        return (self.seed, 1, stream), VAL_BLOCK
+
+    def randn(self, n: int, *shape: int, stream: int = 0, device: torch.device | str = "cpu") -> torch.Tensor:
+        """(n, *shape) standard normals for this batch's n samples. ``stream`` keeps draws for different purposes
+        apart (e.g. 0 for timesteps, 1 for noise)."""
+        parts, block = self._draw_key(stream)
+        return positional_randn(self.start, n, tuple(shape), parts, block, device)
+
+    def rand(self, n: int, *shape: int, stream: int = 0, device: torch.device | str = "cpu") -> torch.Tensor:
+        """(n, *shape) uniforms in [0, 1), as randn."""
+        parts, block = self._draw_key(stream)
+        return positional_rand(self.start, n, tuple(shape), parts, block, device)
+
+    def randint(self, high: int, n: int, stream: int = 0, device: torch.device | str = "cpu") -> torch.Tensor:
+        """n integers in [0, high), as randn."""
+        parts, block = self._draw_key(stream)
+        return positional_randint(high, self.start, n, parts, block, device)
 
 
 class Experiment(ABC):
@@ -56,20 +115,63 @@ class Experiment(ABC):
         """Training and validation sets."""
 
     @abstractmethod
-    def train_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
-        """Mean loss of one micro-batch (already on the device)."""
+    def train_loss(self, model: nn.Module, batch: Any, info: BatchInfo) -> torch.Tensor:
+        """Mean loss of one micro-batch (already on the device). ``info`` may be left out of the signature
+        by experiments that draw nothing per sample."""
 
-    def eval_stats(self, model: nn.Module, batch: Any) -> Mapping[str, torch.Tensor]:
-        """Sums over one validation batch. Default: the loss, weighted by the batch size."""
+    def eval_stats(self, model: nn.Module, batch: Any, info: BatchInfo) -> Mapping[str, torch.Tensor]:
+        """Sums over one validation batch, scalars or fixed-shape tensors. Default: the loss, weighted by the
+        batch size."""
         n = _batch_len(batch)
-        return {"loss_sum": self.train_loss(model, batch).float() * n, "count": torch.tensor(float(n))}
+        return {"loss_sum": call_train_loss(self, model, batch, info).float() * n, "count": torch.tensor(float(n))}
 
-    def metrics(self, totals: Mapping[str, float]) -> dict[str, float]:
-        """Metrics from statistics summed over the whole validation set (all ranks)."""
+    def metrics(self, totals: Mapping[str, Any]) -> dict[str, float]:
+        """Metrics from statistics summed over the whole validation set (all ranks): a float for each scalar
+        statistic, a float64 CPU tensor for each tensor statistic."""
         return {"loss": totals["loss_sum"] / max(totals["count"], 1.0)}
 
-    def artifacts(self, model: nn.Module, out_dir: Path) -> None:
-        """Called on rank 0 at the end of a run with the unwrapped model (samples, predictions...)."""
+    def outputs(self, model: nn.Module, out: "Outputs") -> None:
+        """Samples, pictures, predictions: called on *every* rank with the weights that ship (the EMA ones when
+        optim.ema_decay > 0), every log.outputs_every_steps / log.outputs_every_epochs and at the end of the run.
+        Split the work with ``out.share(n)``, collect it on rank 0 with ``out.gather(part)``, write it with
+        ``out.image(...)`` (rank 0 writes; the other ranks' calls do nothing). Default: nothing."""
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """Experiment state a checkpoint must hold (rank 0's is saved, every rank loads it); None: none."""
+        return None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what state_dict returned."""
+
+
+@functools.cache
+def _takes_info(function: Callable) -> bool:
+    """Whether an (unbound) train_loss/eval_stats has a third parameter besides self, model and batch.
+    Cached per function: inspect.signature costs microseconds, and this is asked every micro-step."""
+    params = inspect.signature(function).parameters.values()
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 4 or any(p.kind == p.VAR_POSITIONAL for p in params)
+
+
+def call_train_loss(experiment: Experiment, model: nn.Module, batch: Any, info: BatchInfo) -> torch.Tensor:
+    """train_loss with or without ``info``: experiments written before BatchInfo keep working."""
+    if _takes_info(type(experiment).train_loss):
+        return experiment.train_loss(model, batch, info)
+    return experiment.train_loss(model, batch)  # type: ignore[call-arg]
+
+
+def call_eval_stats(experiment: Experiment, model: nn.Module, batch: Any, info: BatchInfo) -> Mapping[str, torch.Tensor]:
+    if _takes_info(type(experiment).eval_stats):
+        return experiment.eval_stats(model, batch, info)
+    return experiment.eval_stats(model, batch)  # type: ignore[call-arg]
+
+
+def has_state(experiment: Experiment) -> bool:
+    return type(experiment).state_dict is not Experiment.state_dict
+
+
+def has_outputs(experiment: Experiment) -> bool:
+    return type(experiment).outputs is not Experiment.outputs
 
 
 def _batch_len(batch: Any) -> int:

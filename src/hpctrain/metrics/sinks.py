@@ -16,6 +16,9 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+
+from hpctrain.metrics.images import write_png
 from hpctrain.metrics.records import metric_values
 
 log = logging.getLogger("hpctrain")
@@ -24,6 +27,20 @@ log = logging.getLogger("hpctrain")
 class Sink(Protocol):
     def write(self, record: dict[str, Any]) -> None: ...
     def close(self) -> None: ...
+
+
+class ImageSink(Protocol):
+    def write_image(self, tag: str, step: int, image: np.ndarray) -> Path | None: ...
+
+
+class PngSink:
+    """RUN_DIR/images/TAG/step_NNNNNNN.png, one file per call."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def write_image(self, tag: str, step: int, image: np.ndarray) -> Path:
+        return write_png(self.root / tag / f"step_{step:07d}.png", image)
 
 
 class JsonlSink:
@@ -49,6 +66,10 @@ class TensorBoardSink:
     def write(self, record: dict[str, Any]) -> None:
         for key, value in metric_values(record).items():
             self.writer.add_scalar(f"{record['split']}/{key}", value, record["step"])
+
+    def write_image(self, tag: str, step: int, image: np.ndarray) -> None:
+        self.writer.add_image(tag, image, step, dataformats="HWC")
+        self.writer.flush()
 
     def close(self) -> None:
         self.writer.close()
@@ -99,11 +120,21 @@ class MetricsLogger:
     def log(self, record: dict[str, Any]) -> None:
         record = {"time": time.time(), **record}
         for sink in self.sinks:
-            sink.write(record)
+            if hasattr(sink, "write"):
+                sink.write(record)
+
+    def image(self, tag: str, step: int, image: np.ndarray) -> Path | None:
+        """An H x W x C uint8 picture to every sink that takes images; the PNG's path (None: no PNG sink)."""
+        path = None
+        for sink in self.sinks:
+            if hasattr(sink, "write_image"):
+                path = sink.write_image(tag, step, image) or path
+        return path
 
     def close(self) -> None:
         for sink in self.sinks:
-            sink.close()
+            if hasattr(sink, "close"):
+                sink.close()
 
 
 def build_metrics_logger(
@@ -111,7 +142,7 @@ def build_metrics_logger(
 ) -> MetricsLogger:
     if not is_main:
         return MetricsLogger([])
-    sinks: list[Sink] = [JsonlSink(run_dir / "metrics.jsonl")]
+    sinks: list[Any] = [JsonlSink(run_dir / "metrics.jsonl"), PngSink(run_dir / "images")]
     if progress != "off":
         mode = progress if progress != "auto" else ("bar" if tty else "lines")
         sinks.append(ConsoleSink(mode, total_steps, start_step))

@@ -14,7 +14,8 @@ from hpctrain.config.schema import RunConfig
 from hpctrain.data.loader import SkipCountingLoader
 from hpctrain.data.sampler import StepBatchSampler
 from hpctrain.dist.runtime import Runtime
-from hpctrain.experiments.base import Experiment
+from hpctrain.data.device_loader import DeviceLoader
+from hpctrain.experiments.base import Experiment, has_state
 from hpctrain.fault.heartbeat import Heartbeat
 from hpctrain.fault.signals import StopSignals
 from hpctrain.fault.vote import StepVote
@@ -51,7 +52,7 @@ class TrainContext:
     ema: nn.Module | None
     precision: Precision
     sampler: StepBatchSampler
-    train_loader: SkipCountingLoader
+    train_loader: SkipCountingLoader | DeviceLoader
     val_loader: SkipCountingLoader | None
     state: TrainState
     total_steps: int
@@ -74,4 +75,10 @@ class TrainContext:
             "scheduler": self.scheduler,
             "scaler": self.scaler,
             "ema": self.ema,
+            "experiment": self.experiment if has_state(self.experiment) else None,
         }
+
+    @property
+    def shipped_model(self) -> nn.Module:
+        """The weights a run ships, validates and samples from: the EMA ones when optim.ema_decay > 0."""
+        return self.ema.module if self.ema is not None else self.raw_model

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -13,9 +14,11 @@ import torch
 from hpctrain.checkpoint.policy import save_due
 from hpctrain.dist.collectives import all_reduce_sums, broadcast_buffers
 from hpctrain.dist.wrap import ddp_of
+from hpctrain.experiments.base import BatchInfo, call_train_loss, has_outputs
 from hpctrain.train.context import TrainContext
 from hpctrain.train.device import to_device
 from hpctrain.train.evaluate import evaluate
+from hpctrain.train.outputs import Outputs, run_outputs
 
 log = logging.getLogger("hpctrain")
 
@@ -57,19 +60,21 @@ def optimizer_step(ctx: TrainContext, batches: Iterator, window: "_Window") -> t
     accum = ctx.plan.grad_accum
     if accum == 1:
         # The usual case, without an accumulator tensor and its two ops per step: (0 + x) / 1 is x, bit for bit.
-        loss = micro_step(ctx, batches, window, last=True)
+        loss = micro_step(ctx, batches, window, micro=0)
     else:
         loss_sum = torch.zeros((), device=ctx.runtime.device)
         for micro in range(accum):
-            loss_sum += micro_step(ctx, batches, window, last=micro == accum - 1)
+            loss_sum += micro_step(ctx, batches, window, micro)
         loss = loss_sum / accum
     ctx.fault.heartbeat.mark("optimizer")
     return loss, apply_gradients(ctx)
 
 
-def micro_step(ctx: TrainContext, batches: Iterator, window: "_Window", last: bool) -> torch.Tensor:
-    """Forward and backward of one micro-batch; returns its loss, detached, in fp32."""
-    model, accum, hb = ctx.model, ctx.plan.grad_accum, ctx.fault.heartbeat
+def micro_step(ctx: TrainContext, batches: Iterator, window: "_Window", micro: int) -> torch.Tensor:
+    """Forward and backward of micro-batch ``micro`` of this rank's part of the step; returns its loss, detached,
+    in fp32."""
+    model, accum, hb, plan = ctx.model, ctx.plan.grad_accum, ctx.fault.heartbeat, ctx.plan
+    last = micro == accum - 1
     hb.mark("data")
     waited = time.perf_counter()
     host_batch = next(batches)
@@ -81,8 +86,11 @@ def micro_step(ctx: TrainContext, batches: Iterator, window: "_Window", last: bo
     sync = contextlib.nullcontext() if last or ddp is None else ddp.no_sync()
     with sync:
         hb.mark("forward")
+        # Where these samples sit in the global batch: per-sample draws then do not depend on the world size.
+        info = BatchInfo("train", ctx.state.step, ctx.runtime.rank * plan.per_rank + micro * plan.micro_batch_size,
+                         plan.global_batch_size, ctx.cfg.run.seed)
         with ctx.precision.autocast():
-            loss = ctx.experiment.train_loss(model, batch)
+            loss = call_train_loss(ctx.experiment, model, batch, info)
         hb.mark("backward")
         # loss is a micro-batch mean; / accum makes the accumulated gradient this rank's mean,
         # and DDP averages over ranks: the gradient of the mean over the global batch. Not divided
@@ -127,14 +135,16 @@ def after_step(ctx: TrainContext, window: "_Window", epoch_ended: bool) -> tuple
     val = None
     if eval_due(ctx, epoch_ended):
         # The EMA weights are the ones a run with EMA ships, so they are the ones validated.
-        model = ctx.ema.module if ctx.ema is not None else ctx.raw_model
+        model = ctx.shipped_model
         # Validate on every rank the weights the checkpoint holds (rank 0's), not each rank's own batch-norm statistics.
         broadcast_buffers(model, ctx.runtime)
         val = evaluate(ctx.experiment, model, ctx.val_loader, ctx.runtime, ctx.precision, cfg.train.channels_last,
-                       on_batch=lambda: fault.heartbeat.mark("eval"))
+                       on_batch=lambda: fault.heartbeat.mark("eval"), seed=cfg.run.seed, step=step)
         ctx.metrics.log({"step": step, "split": "val", "epoch": ctx.state.epoch, **val})
     if not saved_first and (save_due(step, total, cfg.ckpt.every_steps) or leaving or verdict.save_due):
         _save(ctx, wait=leaving)  # the last save is waited for: a finished run exits only with it on disk
+    if outputs_due(ctx, epoch_ended):
+        make_outputs(ctx, final=step == total)
     if epoch_ended or leaving:
         report_skipped_samples(ctx, ctx.state.epoch - 1 if epoch_ended else ctx.state.epoch)
     if leaving:
@@ -148,6 +158,27 @@ def _save(ctx: TrainContext, wait: bool) -> None:
     ctx.checkpointer.save(ctx.state, ctx.stateful(), wait=wait)
     ctx.fault.heartbeat.mark("sync")  # out of the checkpoint phase: its control-plane limit must not cover what follows
     ctx.fault.last_save = time.monotonic()
+
+
+def outputs_due(ctx: TrainContext, epoch_ended: bool) -> bool:
+    if not has_outputs(ctx.experiment):
+        return False  # no hook: not even the barrier after it
+    step, log_cfg = ctx.state.step, ctx.cfg.log
+    by_steps = log_cfg.outputs_every_steps and step % log_cfg.outputs_every_steps == 0
+    by_epochs = epoch_ended and log_cfg.outputs_every_epochs and ctx.state.epoch % log_cfg.outputs_every_epochs == 0
+    return bool(step == ctx.total_steps or by_steps or by_epochs)
+
+
+def make_outputs(ctx: TrainContext, final: bool) -> None:
+    """The experiment's outputs hook on every rank (sampling split across them), with the shipped weights."""
+    hb = ctx.fault.heartbeat
+    hb.mark("outputs")
+    model = ctx.shipped_model
+    broadcast_buffers(model, ctx.runtime)  # every rank samples from rank 0's weights, as validation does
+    out = Outputs(ctx.runtime, ctx.state.step, ctx.state.epoch, final, ctx.cfg.run.seed, Path(ctx.cfg.run_dir),
+                  ctx.metrics, beat=lambda: hb.mark("outputs"), autocast=ctx.precision.autocast)
+    run_outputs(ctx.experiment.outputs, model, out)
+    hb.mark("sync")
 
 
 def eval_due(ctx: TrainContext, epoch_ended: bool) -> bool:

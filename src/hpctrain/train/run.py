@@ -11,6 +11,7 @@ from pathlib import Path
 from hpctrain.checkpoint.manager import Checkpointer, Resumed
 from hpctrain.config.batch import plan_batches
 from hpctrain.config.schema import RunConfig
+from hpctrain.data.device_loader import DeviceLoader, dataset_tensors
 from hpctrain.data.loader import build_loader
 from hpctrain.data.sampler import EvalBatchSampler, StepBatchSampler
 from hpctrain.dist.collectives import barrier
@@ -18,7 +19,7 @@ from hpctrain.dist.env import fault_injection_spec, stdout_is_terminal, under_hp
 from hpctrain.dist.runtime import Runtime
 from hpctrain.dist.wrap import unwrap_model, wrap_model
 from hpctrain.errors import UserError, on_every_rank, raised_on_every_rank
-from hpctrain.experiments.base import Experiment
+from hpctrain.experiments.base import Datasets, Experiment
 from hpctrain.fault.alerts import Alerter, resolve_webhook
 from hpctrain.fault.heartbeat import Heartbeat, Watchdog, format_stuck, slow_phase_limit
 from hpctrain.fault.inject import build_injector
@@ -56,13 +57,12 @@ def build_context(
     # A sharded set brings its own epoch order (local windows, for sequential reads); same guarantees.
     order = getattr(data.train, "epoch_order", None)
     sampler = StepBatchSampler(len(data.train), plan, runtime.rank, cfg.run.seed, order=order)
-    transform = data.train_transform if cfg.data.augment else None
-    train_loader = build_loader(data.train, sampler, cfg.data, runtime, seed=cfg.run.seed, transform=transform)
+    train_loader = _train_loader(cfg, runtime, data, sampler)
     val_loader = None
     if data.val is not None:
         eval_batch = cfg.eval.micro_batch_size or 2 * cfg.train.micro_batch_size
         val_sampler = EvalBatchSampler(len(data.val), eval_batch, runtime.rank, runtime.world_size)
-        val_loader = build_loader(data.val, val_sampler, cfg.data, runtime)
+        val_loader = build_loader(data.val, val_sampler, cfg.data, runtime, collate_fn=data.collate_fn)
     wrapped = wrap_model(model, cfg, runtime)
     raw = unwrap_model(wrapped)
     precision = resolve_precision(cfg.train.precision, runtime.device)
@@ -95,6 +95,23 @@ def build_context(
             heartbeat=Heartbeat(runtime.rank, runtime.hostname, on_mark=build_injector(fault_injection_spec(), runtime.rank)),
         ),
     )
+
+
+def _train_loader(cfg: RunConfig, runtime: Runtime, data: Datasets, sampler: StepBatchSampler):
+    if not cfg.data.on_device:
+        transform = data.train_transform if cfg.data.augment else None
+        return build_loader(data.train, sampler, cfg.data, runtime, collate_fn=data.collate_fn, seed=cfg.run.seed,
+                            transform=transform)
+    if cfg.data.augment and data.device_transform is None and data.train_transform is not None:
+        raise on_every_rank(UserError(
+            f"experiment '{cfg.experiment}' augments its data on the host (train_transform) and has no "
+            "device_transform for data.on_device=true",
+            "set data.augment=false, or data.on_device=false (the loader path), or give the experiment a "
+            "Datasets.device_transform.",
+        ))
+    transform = data.device_transform if cfg.data.augment else None
+    return DeviceLoader(dataset_tensors(data.train, cfg.experiment), sampler, runtime.device, cfg.run.seed,
+                        transform, data.device_draws)
 
 
 @dataclass(frozen=True)
@@ -227,7 +244,6 @@ def _finish(ctx: TrainContext, final: dict[str, float], seconds: float) -> None:
     if ctx.cfg.log.plots and (run_dir / "metrics.jsonl").exists():
         path = plot_training(read_metrics(run_dir / "metrics.jsonl"), run_dir / "plots" / "training.png", ctx.cfg.run_name)
         log.info("plot: %s", path)
-    ctx.experiment.artifacts(ctx.ema.module if ctx.ema is not None else ctx.raw_model, run_dir)
     shown = ", ".join(f"{k} {v:.4f}" for k, v in final.items())
     log.info("done: step %d in %.1f s%s; run dir %s", ctx.state.step, seconds, f"; val {shown}" if shown else "", run_dir)
 
@@ -243,9 +259,10 @@ def run_evaluation(cfg: RunConfig, runtime: Runtime, experiment: Experiment, con
     loaded = checkpointer.restore_weights(cfg.ckpt.resume, model)
     eval_batch = cfg.eval.micro_batch_size or 2 * cfg.train.micro_batch_size
     sampler = EvalBatchSampler(len(data.val), eval_batch, runtime.rank, runtime.world_size)
-    loader = build_loader(data.val, sampler, cfg.data, runtime)
+    loader = build_loader(data.val, sampler, cfg.data, runtime, collate_fn=data.collate_fn)
     precision = resolve_precision(cfg.train.precision, runtime.device)
-    metrics = evaluate(experiment, model, loader, runtime, precision, cfg.train.channels_last)
+    metrics = evaluate(experiment, model, loader, runtime, precision, cfg.train.channels_last,
+                       seed=cfg.run.seed, step=loaded.state.step)
     if runtime.is_main:
         record = {"step": loaded.state.step, "split": "val", "checkpoint": str(loaded.path), **metrics}
         print(json.dumps(record, sort_keys=True), flush=True)
