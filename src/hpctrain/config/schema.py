@@ -49,7 +49,8 @@ class TrainSection:
     """Clip the global gradient norm to this value; 0 disables clipping."""
     compile: bool = False
     """Run torch.compile on the DDP-wrapped model (torch's order for compiled DDP: gradient all-reduces overlap the
-    compiled backward). The first steps are slow while it compiles."""
+    compiled backward). The first steps are slow while it compiles. A graph that fails to compile runs eagerly, with
+    torch's warning in the log (dynamo's suppress_errors fallback), instead of ending the run."""
     channels_last: bool = False
     """Use the channels_last memory format for 4-D inputs and weights (faster convolutions on tensor cores)."""
 

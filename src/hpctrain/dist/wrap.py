@@ -24,6 +24,9 @@ def wrap_model(model: nn.Module, cfg: RunConfig, runtime: Runtime) -> nn.Module:
         # splits the graph at DDP's bucket boundaries, so each bucket's all-reduce starts while the backward of
         # the earlier layers still runs. A compiled module inside DDP runs its whole backward as one graph, and
         # every bucket fires only after it: no overlap of communication and compute.
+        # A graph that fails to compile (a missing C compiler or Triton, an unsupported op) runs eagerly with a
+        # logged warning instead of ending the run: dynamo's own fallback, per frame.
+        torch._dynamo.config.suppress_errors = True
         model = torch.compile(model)  # type: ignore[assignment]
     return model
 
