@@ -42,7 +42,7 @@ def prepare(workdir: Path, images: int) -> tuple[Path, Path]:
     import numpy as np
     from PIL import Image
 
-    from hpctrain.data.fixtures import _pattern
+    from hpctrain.data.fixtures import pattern_image
     from hpctrain.data.shard_command import ShardRequest, shard_command
 
     files, shards = workdir / "files", workdir / "shards"
@@ -56,7 +56,7 @@ def prepare(workdir: Path, images: int) -> tuple[Path, Path]:
         folder = files / f"class_{i % 10}"
         if i < 10:
             folder.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(_pattern(rng, i % 10, SIZE)).save(folder / f"{i:07d}.jpg", quality=90)
+        Image.fromarray(pattern_image(rng, i % 10, SIZE)).save(folder / f"{i:07d}.jpg", quality=90)
     print(f"generated {images} JPEGs in {time.perf_counter() - started:.0f} s", file=sys.stderr)
     shard_command(ShardRequest(files, shards, "imagefolder", 32 * 10**6))
     marker.write_text("")

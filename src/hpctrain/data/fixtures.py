@@ -15,7 +15,7 @@ from PIL import Image, ImageDraw
 from hpctrain.data.sources import celebamask, cifar10
 
 
-def _pattern(rng: np.random.Generator, label: int, size: int) -> np.ndarray:
+def pattern_image(rng: np.random.Generator, label: int, size: int) -> np.ndarray:
     """An image whose mean colour and stripe direction depend on the label."""
     base = np.array([(label * 37) % 256, (label * 91) % 256, (label * 151) % 256], dtype=np.float32)
     yy, xx = np.mgrid[0:size, 0:size]
@@ -33,7 +33,7 @@ def make_cifar10(root: Path, per_batch: int = 20, test: int = 20, seed: int = 0)
     for b, name in enumerate(names):
         n = test if name == "test_batch" else per_batch
         labels = [int(x) for x in rng.integers(0, 10, n)]
-        images = np.stack([_pattern(rng, y, 32) for y in labels]) if n else np.zeros((0, 32, 32, 3), np.uint8)
+        images = np.stack([pattern_image(rng, y, 32) for y in labels]) if n else np.zeros((0, 32, 32, 3), np.uint8)
         batch = {
             b"batch_label": f"batch {b + 1} of 6".encode(),
             b"labels": labels,
@@ -54,7 +54,7 @@ def make_celebamask(root: Path, count: int = 30, size: int = 64, mask_size: int 
     rng = np.random.default_rng(seed)
     (root / celebamask.IMAGES).mkdir(parents=True, exist_ok=True)
     for image_id in range(count):
-        face = Image.fromarray(_pattern(rng, image_id % 7, size))
+        face = Image.fromarray(pattern_image(rng, image_id % 7, size))
         buf = io.BytesIO()
         face.save(buf, format="JPEG", quality=90)
         (root / celebamask.IMAGES / f"{image_id}.jpg").write_bytes(buf.getvalue())
@@ -96,5 +96,5 @@ def make_imagefolder(root: Path, classes: int = 3, per_class: int = 10, size: in
             folder = root / split / f"class_{c}"
             folder.mkdir(parents=True, exist_ok=True)
             for i in range(per_class):
-                Image.fromarray(_pattern(rng, c, size)).save(folder / f"img_{i:05d}.jpg", quality=90)
+                Image.fromarray(pattern_image(rng, c, size)).save(folder / f"img_{i:05d}.jpg", quality=90)
     return root

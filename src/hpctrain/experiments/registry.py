@@ -15,6 +15,8 @@ from hpctrain.experiments.base import Experiment
 
 BUILTIN: dict[str, str] = {
     "digits": "hpctrain.experiments.digits:DigitsExperiment",
+    "ddpm_cifar10": "hpctrain.experiments.ddpm.experiment:DDPMCifar10",
+    "ddpm_digits": "hpctrain.experiments.ddpm.experiment:DDPMDigits",
 }
 
 
