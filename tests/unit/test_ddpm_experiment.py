@@ -122,3 +122,12 @@ def test_shards_source_reads_hpctrain_shards(tmp_path: Path, on_device: bool):
     image, label = data.train[0]
     assert image.shape == (3, 32, 32) and image.dtype == torch.uint8 and 0 <= int(label) < 10
     assert hasattr(data.train, "tensors") == on_device
+
+
+def test_plan_measures_an_experiment_that_draws_per_sample():
+    """`hpctrain plan` times a step through the same train_loss call as the loop (with BatchInfo)."""
+    from tests.conftest import run_hpctrain
+
+    result = run_hpctrain(["plan", "ddpm_cifar10", "--config", str(TINY), "--nodes", "2", "--gpus-per-node", "2",
+                           "--busbw", "10", "--steps", "1", "--json", "train.global_batch_size=32"], 120)
+    assert result.returncode == 0, result.output

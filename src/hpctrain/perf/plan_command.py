@@ -107,6 +107,7 @@ def _endless(ctx):
 
 
 def _timed_step(ctx, host_batch) -> tuple[float, float, float]:
+    from hpctrain.experiments.base import BatchInfo, call_train_loss
     from hpctrain.train.device import to_device
     from hpctrain.train.loop import apply_gradients
 
@@ -116,7 +117,9 @@ def _timed_step(ctx, host_batch) -> tuple[float, float, float]:
     sync()
     t0 = time.perf_counter()
     with ctx.precision.autocast():
-        loss = ctx.experiment.train_loss(ctx.model, batch)
+        # One process measuring one micro-batch: the first position of the step's global batch.
+        info = BatchInfo("train", ctx.state.step, 0, ctx.plan.global_batch_size, ctx.cfg.run.seed)
+        loss = call_train_loss(ctx.experiment, ctx.model, batch, info)
     sync()
     t1 = time.perf_counter()
     ctx.scaler.scale(loss).backward()
