@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch_args(evaluate)
     evaluate.set_defaults(func=_train, command_name="eval")
 
+    _add_sample_parser(sub)
+    _add_export_parser(sub)
+
     config = sub.add_parser("config", help="print the resolved config as TOML, or --describe every key")
     _add_run_args(config)
     config.add_argument("--describe", action="store_true", help="list every key with its type, default and meaning")
@@ -84,6 +87,71 @@ def build_parser() -> argparse.ArgumentParser:
     experiments.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     experiments.set_defaults(func=_experiments)
     return parser
+
+
+def _add_sample_parser(sub) -> None:
+    sample = sub.add_parser(
+        "sample", help="draw a trained run's samples (its outputs hook) from a checkpoint into PNGs",
+        description="Loads RUN_DIR/config.toml (key=value overrides on top) and the checkpoint's weights (the EMA ones "
+        "when present), runs the experiment's outputs hook split across the processes, writes the PNGs under --out "
+        "and prints their paths. Writes nothing else into RUN_DIR.",
+    )
+    sample.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of a trained run")
+    sample.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. run.seed=1")
+    sample.add_argument("--n", type=int, metavar="N", help="samples to draw (model.samples)")
+    sample.add_argument("--ddim-steps", type=int, metavar="K", help="DDIM steps (model.sample_steps); 0: ancestral")
+    sample.add_argument("--out", default="", metavar="DIR", help="where the PNGs go (default RUN_DIR/samples)")
+    sample.add_argument("--nproc-per-node", type=int, default=0, metavar="N",
+                        help="start N local processes through torchrun (ignored when already launched)")
+    sample.add_argument("--resume", metavar="auto|PATH", help="the checkpoint: the latest (auto, the default) or a "
+                        "checkpoint directory")
+    sample.add_argument("--debug", action="store_true", help="show tracebacks")
+    sample.set_defaults(func=_sample, command_name="sample")
+
+
+def _add_export_parser(sub) -> None:
+    export = sub.add_parser(
+        "export", help="write a run's shipped weights (model.safetensors), config and a model card for a model hub",
+        description="Writes DIR/model.safetensors (the EMA weights when present), DIR/config.toml and DIR/README.md "
+        "(a model card), all at once through a temporary directory.",
+    )
+    export.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of a trained run")
+    export.add_argument("--out", default="", metavar="DIR", help="export directory (default RUN_DIR/export)")
+    export.add_argument("--resume", default="auto", metavar="auto|PATH",
+                        help="the checkpoint: the latest (auto, the default) or a checkpoint directory")
+    export.add_argument("--debug", action="store_true", help="show tracebacks")
+    export.set_defaults(func=_export)
+
+
+def _sample_request(args: argparse.Namespace):
+    from pathlib import Path
+
+    from hpctrain.train.entry import TrainRequest
+    from hpctrain.train.sample import check_out_dir, sample_overrides
+
+    if args.nproc_per_node < 0:
+        raise UserError(f"--nproc-per-node must be positive, got {args.nproc_per_node}")
+    run_dir = Path(args.run_dir).resolve()
+    out = Path(args.out).resolve() if args.out else run_dir / "samples"
+    check_out_dir(out, run_dir)
+    overrides = tuple(args.overrides) + sample_overrides(args.n, args.ddim_steps, args.resume)
+    return TrainRequest(str(run_dir), None, overrides, args.nproc_per_node, args.debug, "sample", out=str(out))
+
+
+def _sample(args: argparse.Namespace) -> int:
+    from hpctrain.train.entry import train_command
+
+    return train_command(_sample_request(args))
+
+
+def _export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from hpctrain.logs import setup_logging
+    from hpctrain.train.export import export_command
+
+    setup_logging(debug=args.debug)
+    return export_command(Path(args.run_dir), Path(args.out) if args.out else None, args.resume)
 
 
 def _add_shard_parser(sub) -> None:
@@ -231,8 +299,9 @@ def _request(args: argparse.Namespace):
 
 
 def request_from_argv(argv: Sequence[str]):
-    """The TrainRequest of a `hpctrain train|eval ...` command line (used by the torchrun wrapper)."""
-    return _request(parse(argv))
+    """The TrainRequest of a `hpctrain train|eval|sample ...` command line (used by the torchrun wrapper)."""
+    args = parse(argv)
+    return _sample_request(args) if getattr(args, "command_name", "") == "sample" else _request(args)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -263,7 +332,7 @@ def _experiments(args: argparse.Namespace) -> int:
 
     for name in list_experiments():
         doc = (resolve_experiment(name).__doc__ or "").strip().splitlines()
-        print(f"{name:12s} {doc[0] if doc else ''}")
+        print(f"{name:14s} {doc[0] if doc else ''}")
     return 0
 
 

@@ -36,14 +36,17 @@ class TrainRequest:
     debug: bool
     """--debug."""
     command: str = "train"
-    """train or eval."""
+    """train, eval or sample (then ``experiment`` is the run directory)."""
+    out: str = ""
+    """sample: --out DIR ('' = RUN_DIR/samples)."""
 
     def module_args(self) -> list[str]:
         """The same request for the workers that torchrun starts (without --nproc-per-node)."""
         args = [self.command, self.experiment]
         if self.config_file:
             args += ["--config", str(Path(self.config_file).resolve())]
-        return args + list(self.overrides) + (["--debug"] if self.debug else [])
+        args += list(self.overrides) + (["--out", str(Path(self.out).resolve())] if self.out else [])
+        return args + (["--debug"] if self.debug else [])
 
 
 def resolve(experiment: str, config_file: str | None, overrides: tuple[str, ...]) -> tuple[type[Experiment], RunConfig]:
@@ -75,8 +78,16 @@ def _check_saved_batch(path: Path, cfg: RunConfig) -> None:
         continue_with_batch(saved, cfg.train.global_batch_size, cfg.ckpt.on_batch_change, str(path), total_steps=0)
 
 
+def resolve_request(req: TrainRequest) -> tuple[type[Experiment], RunConfig]:
+    if req.command == "sample":
+        from hpctrain.train.sample import resolve_sample
+
+        return resolve_sample(Path(req.experiment), req.overrides)
+    return resolve(req.experiment, req.config_file, req.overrides)
+
+
 def train_command(req: TrainRequest) -> int:
-    cls, cfg = resolve(req.experiment, req.config_file, req.overrides)
+    cls, cfg = resolve_request(req)
     launch = detect_launch()
     if launch.launcher == "single" and req.nproc_per_node > 1:
         setup_logging(debug=req.debug)
@@ -102,4 +113,8 @@ def _train_here(cls: type[Experiment], cfg: RunConfig, launch: LaunchInfo, req: 
         if req.command == "eval":
             run_evaluation(cfg, runtime, cls(cfg), config_to_toml(cfg))
             return 0
+        if req.command == "sample":
+            from hpctrain.train.sample import sample_here
+
+            return sample_here(cfg, runtime, cls(cfg), req.out)
         return run_training(cfg, runtime, cls(cfg), config_to_toml(cfg)).exit_code
