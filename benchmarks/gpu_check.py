@@ -346,6 +346,8 @@ STAGES: list[Stage] = [
     Stage("doctor-perf", _doctor_perf, 300, numbers=preflight_numbers),
     Stage("vote", lambda ctx: [ctx.python, "benchmarks/vote.py"], 300, numbers=table_numbers),
     Stage("compile-order", lambda ctx: [ctx.python, "benchmarks/compile_order.py"], 600, numbers=table_numbers),
+    Stage("ddpm-throughput", lambda ctx: [ctx.python, "benchmarks/ddpm_throughput.py", "--device", "cuda", "--json",
+                                          str(ctx.out / "ddpm-throughput.json")], 300, numbers=table_numbers),
 ]
 
 

@@ -1,0 +1,537 @@
+"""DDPM reference experiment (ddpm_cifar10): training throughput per GPU, hpctrain's loop against a plain torch
+loop on the same model, in one process and one run. Prints a table.
+
+    python benchmarks/ddpm_throughput.py [--device auto|cuda|cpu] [--micro 64,128] [--steps 50] [--warmup 10]
+                                         [--repeats 5] [--compile | --no-compile] [--json PATH]
+
+For each micro batch (the micro batch is the global batch: one process, no accumulation), two loops train the
+U-Net of Ho et al. (35.7M parameters at the defaults, 32x32 images):
+
+  plain     a hand-written torch loop: images as uint8 on the GPU, a permutation per epoch, random flips on the
+            GPU, L_simple (GaussianDiffusion.training_losses) with torch.randint/torch.randn draws, bf16
+            autocast, channels_last, fused AdamW with the reference's linear warm-up, gradient clipping at 1.0
+            and an EMA of the weights (torch's AveragedModel), optionally torch.compile on the model.
+  hpctrain  hpctrain's own loop (hpctrain.train.loop.train) on hpctrain's context for ddpm_cifar10 with
+            model.source=fixture, data.on_device=true, train.precision=bf16, train.channels_last=true,
+            train.compile per --compile: its heartbeat, stop vote, BatchInfo draws, loss window, scheduler,
+            clipping and EMA included. No validation, outputs, logging or checkpoints within the timed steps
+            (eval.every_steps and log.every_steps huge, outputs off; the checkpoint a launch saves when it ends
+            is replaced by a no-op). Each timed window is one call of the loop (train.stop_at_step moved on),
+            so it also pays the loop's start (the epoch order and flip uniforms drawn again).
+
+Both loops are built and warmed up (--warmup steps; compilation happens there), then timed in --repeats
+windows of --steps steps each, plain and hpctrain alternating (plain first in even repeats, hpctrain first in
+odd ones) so that machine noise hits both; torch.cuda.synchronize only at the ends of a window. Medians over
+the repeats, [min, max] beside them.
+
+Columns:
+  images/s     training images per second on this one device (micro x steps / window time).
+  ms/step      time of one optimizer step (median window).
+  GFLOP/image  forward + backward of one training step counted by torch.utils.flop_counter.FlopCounterMode on
+               the real model (uncompiled, same micro batch), per image (about 37 at 32x32 is the expected order).
+  TFLOP/s      GFLOP/image x images/s.
+  % peak       TFLOP/s over the device's dense bf16 peak (hpctrain.perf.peaks); '-' where the table has none.
+  peak GiB     this loop's own resident memory between steps (weights, optimizer state, EMA, the data on the
+               GPU) plus the most torch.cuda.max_memory_allocated rose above the allocated memory at the start of
+               one of its timed windows (activations, gradients, workspaces). Both loops live in one process; this
+               way neither counts the other's memory.
+  vs plain     hpctrain's images/s over the plain loop's, median of the per-repeat ratios (the repeats' two
+               windows ran back to back).
+
+The second table is the price of drawing per-sample noise by position (hpctrain.data.positional): per training
+step hpctrain draws the timesteps and the noise of the whole global batch (384 in the reference run: 64 x 6
+GPUs) from a generator seeded by (seed, step) and keeps its 64, where a plain loop draws torch.randint and
+torch.randn of its 64. Timed alone, per step, in a loop with a synchronisation at each end.
+
+Without CUDA (or with --device cpu) this is a smoke test: a tiny U-Net (ch 16, ch_mult (1, 2), 16x16), fp32,
+micro batch 8, a handful of steps. Its numbers say nothing about GPU throughput; the header says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torch.utils.flop_counter import FlopCounterMode
+
+from hpctrain.config.schema import RunConfig
+from hpctrain.experiments.base import BatchInfo
+from hpctrain.experiments.ddpm.diffusion import GaussianDiffusion
+from hpctrain.perf.peaks import dense_peak
+
+ROOT = Path(__file__).resolve().parent.parent
+EXPERIMENT = "ddpm_cifar10"
+HUGE = 10**9
+"""Steps that are never reached: eval.every_steps, log.every_steps, train.max_steps."""
+GPU_SAMPLES = 50_000
+"""Generated training images on the GPU: CIFAR-10's training-set size (150 MB of uint8)."""
+CPU_SAMPLES = 256
+CPU_MODEL = ("model.image_size=16", "model.ch=16", "model.ch_mult=[1, 2]", "model.num_res_blocks=1",
+             "model.attn_resolutions=[8]", "model.norm_groups=8")
+"""The smoke test's tiny U-Net (0.18M parameters)."""
+DRAW_GLOBAL, DRAW_MICRO = 384, 64
+"""The reference run's global batch and micro batch per GPU, for the positional-draw price."""
+LOOPS = ("plain", "hpctrain")
+
+
+@dataclass(frozen=True)
+class Settings:
+    device: torch.device
+    micros: tuple[int, ...]
+    steps: int
+    warmup: int
+    repeats: int
+    compile: bool
+    draw_iters: int
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def smoke(self) -> bool:
+        return not self.cuda
+
+
+@dataclass
+class Measured:
+    """One loop at one micro batch."""
+
+    loop: str
+    micro: int
+    seconds: list[float] = field(default_factory=list)
+    """Each timed window's wall time."""
+    resident_bytes: int = 0
+    transient_bytes: int = 0
+
+
+# ---- configuration ------------------------------------------------------------------------------------------
+
+def overrides(s: Settings, micro: int, run_dir: str) -> list[str]:
+    """hpctrain's config for one micro batch: the micro batch is the global batch (one process, accumulation 1)."""
+    samples = GPU_SAMPLES if s.cuda else CPU_SAMPLES
+    out = [
+        "model.source=fixture", f"model.fixture_samples={samples}",
+        "data.on_device=true", "data.num_workers=0",
+        f"train.precision={'bf16' if s.cuda else 'fp32'}", "train.channels_last=true",
+        f"train.compile={'true' if s.compile else 'false'}",
+        f"train.global_batch_size={micro}", f"train.micro_batch_size={micro}", f"train.max_steps={HUGE}",
+        f"eval.every_steps={HUGE}", f"log.every_steps={HUGE}", "log.outputs_every_steps=0",
+        "log.outputs_every_epochs=0", "log.progress=off", "log.tensorboard=false", "log.plots=false",
+        "ckpt.every_steps=0", "ckpt.every_minutes=0", f"run.dir={run_dir}",
+    ]
+    return out + (list(CPU_MODEL) if s.smoke else [])
+
+
+def load(s: Settings, micro: int, run_dir: str):
+    from hpctrain.train.entry import resolve
+
+    return resolve(EXPERIMENT, None, tuple(overrides(s, micro, run_dir)))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---- the two loops -------------------------------------------------------------------------------------------
+
+class PlainLoop:
+    """What one would write by hand for the reference run on one GPU."""
+
+    def __init__(self, experiment, cfg: RunConfig, device: torch.device, compile_model: bool) -> None:
+        o, t, opt = cfg.model, cfg.train, cfg.optim
+        self.device, self.micro, self.clip, self.flip = device, t.micro_batch_size, t.grad_clip, o.flip
+        self.channels_last = t.channels_last
+        self.dtype = torch.bfloat16 if t.precision == "bf16" else None
+        torch.manual_seed(cfg.run.seed)
+        raw = experiment.build_model().to(device)
+        self.raw = raw.to(memory_format=torch.channels_last) if self.channels_last else raw
+        self.model = torch.compile(self.raw) if compile_model else self.raw
+        self.optimizer = torch.optim.AdamW(self.raw.parameters(), lr=opt.lr, betas=opt.betas,
+                                           weight_decay=opt.weight_decay, fused=device.type == "cuda" or None)
+        warm = max(opt.warmup_steps, 1)
+        self.scheduler = LambdaLR(self.optimizer, lambda step: min(1.0, (step + 1) / warm))
+        self.ema = AveragedModel(self.raw, multi_avg_fn=get_ema_multi_avg_fn(opt.ema_decay), use_buffers=True) \
+            if opt.ema_decay > 0 else None
+        self.diffusion = GaussianDiffusion(o.timesteps, o.beta_start, o.beta_end, o.variance)
+        self.timesteps = o.timesteps
+        n = o.fixture_samples
+        self.images = torch.randint(0, 256, (n, o.channels, o.image_size, o.image_size), dtype=torch.uint8,
+                                    device=device)
+        self.order, self.at = torch.empty(0, dtype=torch.long), n  # a new epoch at the first step
+
+    def autocast(self):
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        m, n = self.micro, len(self.images)
+        if self.at + m > n:
+            self.order, self.at = torch.randperm(n, device=self.device), 0
+        x = self.images[self.order[self.at : self.at + m]]
+        self.at += m
+        if self.flip:
+            x = torch.where(torch.rand(m, 1, 1, 1, device=self.device) < 0.5, x.flip(-1), x)
+        x0 = x.float().div_(127.5).sub_(1.0)
+        if self.channels_last:
+            x0 = x0.contiguous(memory_format=torch.channels_last)
+        t = torch.randint(self.timesteps, (m,), device=self.device)
+        noise = torch.randn(m, *x0.shape[1:], device=self.device)
+        return x0, t, noise
+
+    def step(self) -> None:
+        x0, t, noise = self.batch()
+        with self.autocast():
+            loss = self.diffusion.training_losses(self.model, x0, t, noise).mean()
+        loss.backward()
+        if self.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.raw.parameters(), self.clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        if self.ema is not None:
+            self.ema.update_parameters(self.raw)
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            self.step()
+
+    def flops_per_step(self) -> int:
+        """Forward + backward of one training step on the uncompiled model (the optimizer's elementwise work is
+        not counted: FlopCounterMode counts matrix multiplies, convolutions and attention)."""
+        x0, t, noise = self.batch()
+        with FlopCounterMode(display=False) as counter:
+            with self.autocast():
+                loss = self.diffusion.training_losses(self.raw, x0, t, noise).mean()
+            loss.backward()
+        self.optimizer.zero_grad(set_to_none=True)
+        return counter.get_total_flops()
+
+
+class _NoCheckpoint:
+    """In place of hpctrain's Checkpointer: the loop saves when a launch ends, and each timed window is a launch."""
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+class HpctrainLoop:
+    """hpctrain's context and loop, in this process: each run(n) is one call of hpctrain.train.loop.train that
+    stops n steps on (train.stop_at_step)."""
+
+    def __init__(self, cls, cfg: RunConfig, device: torch.device) -> None:
+        from hpctrain.dist.runtime import single_process_runtime
+        from hpctrain.train.run import build_context
+
+        self.ctx = build_context(cfg, single_process_runtime(device), cls(cfg), config_text="", write_run_dir=False)
+        self.ctx.checkpointer = _NoCheckpoint()
+
+    def run(self, steps: int) -> None:
+        from hpctrain.train import loop
+
+        ctx = self.ctx
+        stop = ctx.state.step + steps
+        ctx.cfg = dataclasses.replace(ctx.cfg, train=dataclasses.replace(ctx.cfg.train, stop_at_step=stop))
+        result = loop.train(ctx)
+        if result.stop_signal or ctx.state.step != stop:
+            raise RuntimeError(f"hpctrain's loop stopped at step {ctx.state.step}, not {stop} "
+                               f"(stop signal {result.stop_signal})")
+
+
+# ---- measuring -----------------------------------------------------------------------------------------------
+
+def _allocated(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    _sync(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def timed_window(run: Callable[[int], None], steps: int, device: torch.device, m: Measured) -> None:
+    base = _allocated(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    started = time.perf_counter()
+    run(steps)
+    _sync(device)
+    m.seconds.append(time.perf_counter() - started)
+    if device.type == "cuda":
+        m.transient_bytes = max(m.transient_bytes, torch.cuda.max_memory_allocated(device) - base)
+
+
+def _warm_libraries(device: torch.device) -> None:
+    """cuBLAS keeps a workspace per stream from its first call on: made here, it counts for neither loop."""
+    if device.type == "cuda":
+        a = torch.ones(16, 16, device=device)
+        a @ a
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            a @ a
+        _sync(device)
+
+
+def _release(device: torch.device, compiled: bool) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if compiled:
+        torch._dynamo.reset()  # a second micro batch compiles afresh, not as a dynamic-shape recompile
+
+
+def measure_micro(s: Settings, micro: int, log: Callable[[str], None]) -> tuple[dict[str, Measured], int, int]:
+    """Both loops at one micro batch; returns (measured, FLOP per step, parameters)."""
+    measured = {name: Measured(name, micro) for name in LOOPS}
+    with tempfile.TemporaryDirectory(prefix="hpctrain-ddpm-bench-") as run_dir:
+        cls, cfg = load(s, micro, run_dir)
+        _warm_libraries(s.device)
+        start = _allocated(s.device)
+        plain = PlainLoop(cls(cfg), cfg, s.device, s.compile)
+        params = sum(p.numel() for p in plain.raw.parameters())
+        flops = plain.flops_per_step()
+        plain.run(s.warmup)
+        after_plain = _allocated(s.device)
+        hpc = HpctrainLoop(cls, cfg, s.device)
+        hpc.run(s.warmup)
+        after_hpc = _allocated(s.device)
+        measured["plain"].resident_bytes = after_plain - start
+        measured["hpctrain"].resident_bytes = after_hpc - after_plain
+        loops = {"plain": plain.run, "hpctrain": hpc.run}
+        for r in range(s.repeats):
+            for name in LOOPS if r % 2 == 0 else LOOPS[::-1]:
+                timed_window(loops[name], s.steps, s.device, measured[name])
+                t = measured[name].seconds[-1]
+                log(f"  micro {micro}, repeat {r + 1}: {name} {1e3 * t / s.steps:.2f} ms/step, "
+                    f"{micro * s.steps / t:,.1f} images/s")
+        del plain, hpc, loops
+    _release(s.device, s.compile)
+    return measured, flops, params
+
+
+def measure_draws(s: Settings, image_shape: tuple[int, ...], timesteps: int,
+                  log: Callable[[str], None]) -> dict[str, list[float]]:
+    """Microseconds per step of the timestep + noise draws: positional (a block of DRAW_GLOBAL, a slice of
+    DRAW_MICRO, at each of the global batch's micro positions in turn) against torch's of DRAW_MICRO."""
+    device, iters, ranks = s.device, s.draw_iters, DRAW_GLOBAL // DRAW_MICRO
+
+    def positional(n: int) -> None:
+        for i in range(n):
+            info = BatchInfo("train", i, (i % ranks) * DRAW_MICRO, DRAW_GLOBAL, 0)
+            info.randint(timesteps, DRAW_MICRO, stream=0, device=device)
+            info.randn(DRAW_MICRO, *image_shape, stream=1, device=device)
+
+    def plain(n: int) -> None:
+        for _ in range(n):
+            torch.randint(timesteps, (DRAW_MICRO,), device=device)
+            torch.randn(DRAW_MICRO, *image_shape, device=device)
+
+    draws = {"positional": positional, "plain": plain}
+    times: dict[str, list[float]] = {name: [] for name in draws}
+    for fn in draws.values():
+        fn(max(iters // 10, 2))  # warm-up: generators, kernels, allocator
+    names = list(draws)
+    for r in range(max(s.repeats, 3)):
+        for name in names if r % 2 == 0 else names[::-1]:
+            _sync(device)
+            started = time.perf_counter()
+            draws[name](iters)
+            _sync(device)
+            times[name].append((time.perf_counter() - started) / iters * 1e6)
+    log(f"  draws: positional {statistics.median(times['positional']):.1f} us/step, "
+        f"plain {statistics.median(times['plain']):.1f} us/step")
+    return times
+
+
+# ---- reporting -----------------------------------------------------------------------------------------------
+
+def _git(*args: str) -> str:
+    try:
+        done = subprocess.run(["git", *args], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def commit() -> str:
+    head = _git("rev-parse", "--short=12", "HEAD")
+    return (head + ("+changes" if _git("status", "--porcelain") else "")) if head else "-"
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}, {max(values):{fmt}}]"
+
+
+def rows(s: Settings, results: list[tuple[dict[str, Measured], int]]) -> list[dict[str, Any]]:
+    """One row per loop and micro batch, as plain numbers (the JSON and the table)."""
+    peak = dense_peak(device_name(s.device)) if s.cuda else None
+    out = []
+    for measured, flops in results:
+        plain_rates = [measured["plain"].micro * s.steps / t for t in measured["plain"].seconds]
+        for name in LOOPS:
+            m = measured[name]
+            rates = [m.micro * s.steps / t for t in m.seconds]
+            per_image = flops / m.micro
+            tflops = [per_image * r / 1e12 for r in rates]
+            fraction = statistics.median(tflops) / peak.tflops if peak is not None and peak.dtype == "bf16" else None
+            out.append({
+                "loop": name, "micro": m.micro, "steps": s.steps, "repeats": s.repeats,
+                "window_s": m.seconds, "images_per_s": rates, "images_per_s_median": statistics.median(rates),
+                "ms_per_step_median": 1e3 * statistics.median(m.seconds) / s.steps,
+                "flop_per_step": flops, "gflop_per_image": per_image / 1e9,
+                "tflops_median": statistics.median(tflops),
+                "peak_fraction": fraction,
+                "peak_memory_bytes": m.resident_bytes + m.transient_bytes if s.cuda else None,
+                "resident_bytes": m.resident_bytes if s.cuda else None,
+                "vs_plain": statistics.median(a / b for a, b in zip(rates, plain_rates)),
+            })
+    return out
+
+
+def draw_summary(times: dict[str, list[float]], table: list[dict[str, Any]]) -> dict[str, Any]:
+    pos, plain = statistics.median(times["positional"]), statistics.median(times["plain"])
+    ref = [r for r in table if r["loop"] == "hpctrain"]
+    ref = [r for r in ref if r["micro"] == DRAW_MICRO] or ref
+    step_us = 1e3 * ref[0]["ms_per_step_median"] if ref else None
+    return {"global": DRAW_GLOBAL, "micro": DRAW_MICRO, "positional_us": times["positional"],
+            "plain_us": times["plain"], "price_us": pos - plain,
+            "price_fraction_of_step": (pos - plain) / step_us if step_us else None,
+            "step_micro": ref[0]["micro"] if ref else None}
+
+
+def header(s: Settings, params: int, cfg: RunConfig) -> list[str]:
+    o = cfg.model
+    torch_text = f"torch {torch.__version__}" + (f" (CUDA {torch.version.cuda})" if s.cuda else "")
+    model = (f"U-Net {params / 1e6:.2f}M parameters (ch {o.ch}, ch_mult {tuple(o.ch_mult)}, "
+             f"{o.num_res_blocks} res blocks, {o.image_size}x{o.image_size}, dropout {o.dropout:g})")
+    mode = ("bf16 autocast" if s.cuda else "fp32") + ", channels_last, " + ("torch.compile" if s.compile else "eager")
+    lines = [f"# DDPM throughput ({EXPERIMENT}): {device_name(s.device)} | {torch_text} | "
+             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC | commit {commit()}",
+             f"# {model}; {mode}; one process, micro batch = global batch; {s.steps} steps x {s.repeats} "
+             f"repeats after {s.warmup} warm-up, plain/hpctrain alternating; median [min, max]"]
+    if s.smoke:
+        lines.insert(0, "# CPU SMOKE TEST: a tiny model, fp32, a handful of steps; these numbers "
+                        "say nothing about GPU throughput")
+    return lines
+
+
+def _gib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**30:.2f}"
+
+
+def render(s: Settings, head: list[str], table: list[dict[str, Any]], draws: dict[str, Any]) -> str:
+    peak = dense_peak(device_name(s.device)) if s.cuda else None
+    if peak is not None and peak.dtype == "bf16":
+        peak_text = f"of the {peak.gpu}'s dense bf16 peak, {peak.tflops:g} TFLOP/s (hpctrain.perf.peaks)"
+    elif peak is not None:
+        peak_text = f"not compared: the table's peak for the {peak.gpu} is {peak.dtype}, the runs are bf16"
+    else:
+        peak_text = "no dense peak known for this device" if s.cuda else "no peak on a CPU"
+    columns = "| loop, micro batch | images/s | ms/step | GFLOP/image | TFLOP/s | % peak | peak GiB | vs plain |"
+    lines = head + ["", columns, "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in table:
+        frac = "-" if r["peak_fraction"] is None else f"{100 * r['peak_fraction']:.1f}%"
+        fmt = ",.0f" if r["images_per_s_median"] >= 100 else ",.1f"
+        lines.append(f"| {r['loop']}, micro {r['micro']} | {_spread(r['images_per_s'], fmt)} | "
+                     f"{r['ms_per_step_median']:.2f} | {r['gflop_per_image']:.2f} | {r['tflops_median']:.3g} | "
+                     f"{frac} | {_gib(r['peak_memory_bytes'])} | {r['vs_plain']:.3f} |")
+    lines += ["", f"% peak: {peak_text}. GFLOP/image: FlopCounterMode, forward + backward.", ""]
+    share = draws["price_fraction_of_step"]
+    share_text = f", {100 * share:.2f}% of hpctrain's step at micro {draws['step_micro']}" if share is not None else ""
+    lines += ["| per-sample draws per step (timesteps + noise) | us/step | price |", "|---|---:|---:|",
+              f"| positional: BatchInfo.randint + randn, block {draws['global']}, slice {draws['micro']} | "
+              f"{_spread(draws['positional_us'], '.1f')} | {draws['price_us']:+.1f} us{share_text} |",
+              f"| plain: torch.randint + torch.randn of {draws['micro']} | {_spread(draws['plain_us'], '.1f')} | "
+              "reference |"]
+    return "\n".join(lines) + "\n"
+
+
+# ---- main ----------------------------------------------------------------------------------------------------
+
+def settings(args: argparse.Namespace) -> Settings:
+    if args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    elif args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device visible")
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    cuda = device.type == "cuda"
+    micros = tuple(int(m) for m in args.micro.split(",") if m.strip()) if args.micro else ((64, 128) if cuda else (8,))
+    if not micros or min(micros) < 1:
+        raise SystemExit(f"--micro {args.micro!r}: give positive micro batch sizes, e.g. 64,128")
+    steps = args.steps if args.steps is not None else (50 if cuda else 3)
+    warmup = args.warmup if args.warmup is not None else (10 if cuda else 1)
+    repeats = args.repeats if args.repeats is not None else (5 if cuda else 2)
+    if steps < 1 or warmup < 1 or repeats < 1:
+        raise SystemExit("--steps, --warmup and --repeats must be at least 1")
+    return Settings(device, micros, steps, warmup, repeats, bool(args.compile), 200 if cuda else 10)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="auto: CUDA when there is a device, else the CPU smoke test")
+    p.add_argument("--micro", default="", metavar="M,...", help="micro batch sizes (default 64,128 on CUDA, 8 on CPU)")
+    p.add_argument("--steps", type=int, default=None, help="steps per timed window (default 50 on CUDA, 3 on CPU)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps per loop (default 10 on CUDA, 1 on CPU)")
+    p.add_argument("--repeats", type=int, default=None, help="timed windows per loop (default 5 on CUDA, 2 on CPU)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                   help="torch.compile the model in both loops (train.compile for hpctrain); compilation falls in "
+                        "the warm-up (default: eager)")
+    p.add_argument("--json", default="", metavar="PATH", help="also write the numbers as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parser().parse_args(argv)
+    s = settings(args)
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    results, params, cfg = [], 0, None
+    for micro in s.micros:
+        measured, flops, params = measure_micro(s, micro, log)
+        results.append((measured, flops))
+    with tempfile.TemporaryDirectory() as run_dir:
+        _, cfg = load(s, s.micros[0], run_dir)
+    o = cfg.model
+    table = rows(s, results)
+    draws = draw_summary(measure_draws(s, (o.channels, o.image_size, o.image_size), o.timesteps, log), table)
+    head = header(s, params, cfg)
+    print(render(s, head, table, draws), end="", flush=True)
+    peak = dense_peak(device_name(s.device)) if s.cuda else None
+    report = {"header": head, "device": device_name(s.device), "torch": torch.__version__,
+              "cuda": torch.version.cuda if s.cuda else None,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "commit": commit(), "smoke": s.smoke, "compile": s.compile, "parameters": params,
+              "peak": dataclasses.asdict(peak) if peak is not None else None, "rows": table, "draws": draws}
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()
