@@ -38,10 +38,11 @@ Columns:
   vs plain     hpctrain's images/s over the plain loop's, median of the per-repeat ratios (the repeats' two
                windows ran back to back).
 
-The second table is the price of drawing per-sample noise by position (hpctrain.data.positional): per training
-step hpctrain draws the timesteps and the noise of the whole global batch (384 in the reference run: 64 x 6
-GPUs) from a generator seeded by (seed, step) and keeps its 64, where a plain loop draws torch.randint and
-torch.randn of its 64. Timed alone, per step, in a loop with a synchronisation at each end.
+The second table is the price of drawing per-sample noise by position (hpctrain.data.positional): per
+micro-batch hpctrain draws the timesteps and the noise of the blocks of 64 positions its samples fall in (in
+the reference run's global batch of 384), each from a generator seeded by (seed, step, block), where a plain
+loop draws torch.randint and torch.randn of its 64. Timed alone, per step, in a loop with a synchronisation at
+each end.
 
 Without CUDA (or with --device cpu) this is a smoke test: a tiny U-Net (ch 16, ch_mult (1, 2), 16x16), fp32,
 micro batch 8, a handful of steps. Its numbers say nothing about GPU throughput; the header says so.
@@ -325,8 +326,8 @@ def measure_micro(s: Settings, micro: int, log: Callable[[str], None]) -> tuple[
 
 def measure_draws(s: Settings, image_shape: tuple[int, ...], timesteps: int,
                   log: Callable[[str], None]) -> dict[str, list[float]]:
-    """Microseconds per step of the timestep + noise draws: positional (a block of DRAW_GLOBAL, a slice of
-    DRAW_MICRO, at each of the global batch's micro positions in turn) against torch's of DRAW_MICRO."""
+    """Microseconds per step of the timestep + noise draws: positional (DRAW_MICRO positions at each of the
+    global batch's micro positions in turn) against torch's of DRAW_MICRO."""
     device, iters, ranks = s.device, s.draw_iters, DRAW_GLOBAL // DRAW_MICRO
 
     def positional(n: int) -> None:
@@ -457,7 +458,7 @@ def render(s: Settings, head: list[str], table: list[dict[str, Any]], draws: dic
     share = draws["price_fraction_of_step"]
     share_text = f", {100 * share:.2f}% of hpctrain's step at micro {draws['step_micro']}" if share is not None else ""
     lines += ["| per-sample draws per step (timesteps + noise) | us/step | price |", "|---|---:|---:|",
-              f"| positional: BatchInfo.randint + randn, block {draws['global']}, slice {draws['micro']} | "
+              f"| positional: BatchInfo.randint + randn, {draws['micro']} of a global {draws['global']} | "
               f"{_spread(draws['positional_us'], '.1f')} | {draws['price_us']:+.1f} us{share_text} |",
               f"| plain: torch.randint + torch.randn of {draws['micro']} | {_spread(draws['plain_us'], '.1f')} | "
               "reference |"]

@@ -5,12 +5,13 @@ they change with the number of processes (rank 1 of 2 draws what rank 0 of 1 dre
 the same run on 1 x 4 and 4 x 1 processes x accumulation would train differently. Per-sample CPU generators
 would fix that and cost a generator per sample per step in the hot path.
 
-Here the numbers of a whole *block* of positions (the global batch in training) come from one generator
-seeded by (parts..., block number), on the device, and each rank slices its positions out of it. A rank
-holding positions [start, start + count) draws the one or two blocks that cover them: for a global batch of
-384 that is 384 noise images per micro-batch, a few microseconds of a GPU's time (benchmarks/ddpm_throughput.py
-measures it). The numbers depend on the device type (CUDA's Philox and the CPU's Mersenne Twister differ), not on
-the device count.
+Here the numbers of a *block* of consecutive positions come from one generator seeded by (parts..., block
+number), on the device, and a rank slices its positions out of the blocks that cover them. With blocks of 64
+(hpctrain's BatchInfo) and micro-batches of 64 that is one generator and one kernel per draw, whatever the
+global batch (a block the size of the global batch would cost every rank the whole global batch's noise, 400 MB
+per micro-step at 32,768 images of 3 x 32 x 32). The numbers depend on the device type (CUDA's Philox and the
+CPU's Mersenne Twister differ) and, for draws over about a million elements, on the GPU model (torch's random
+kernels size their grid by the number of multiprocessors); not on the number of devices.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
@@ -30,8 +31,9 @@ from hpctrain.data.positional import positional_rand, positional_randint, positi
 if TYPE_CHECKING:
     from hpctrain.train.outputs import Outputs
 
-VAL_BLOCK = 256
-"""Validation draws come in blocks of this many samples: independent of the eval batch size and the world size."""
+DRAW_BLOCK = 64
+"""Per-sample draws come in blocks of this many positions, each from its own generator: a rank draws the blocks
+its samples fall in (about one micro-batch's worth), whatever the global batch or the world size."""
 
 
 @dataclass(frozen=True)
@@ -56,8 +58,10 @@ class Datasets:
 @dataclass(frozen=True)
 class BatchInfo:
     """Where a batch sits, and random numbers drawn by the positions of its samples. ``split`` 'train': positions
-    in the step's global batch (all ranks together), one block per step; 'val': positions in the validation set,
-    the same for every evaluation (so validation losses of different steps are comparable)."""
+    in the step's global batch (all ranks together), seeded by (seed, step); 'val': positions in the validation
+    set, the same for every evaluation (so validation losses of different steps are comparable). With
+    data.on_error=skip a shortened batch keeps its start, so the samples after a skipped one take their
+    neighbours' draws."""
 
     split: str
     """'train' or 'val'."""
@@ -72,8 +76,8 @@ class BatchInfo:
 
     def _draw_key(self, stream: int) -> tuple[tuple[int, ...], int]:
         if self.split == "train":
-            return (self.seed, 0, self.step, stream), self.total
-        return (self.seed, 1, stream), VAL_BLOCK
+            return (self.seed, 0, self.step, stream), DRAW_BLOCK
+        return (self.seed, 1, stream), DRAW_BLOCK
 
     def randn(self, n: int, *shape: int, stream: int = 0, device: torch.device | str = "cpu") -> torch.Tensor:
         """(n, *shape) standard normals for this batch's n samples. ``stream`` keeps draws for different purposes
@@ -106,6 +110,13 @@ class Experiment(ABC):
         self.cfg = cfg
         self.options = cfg.model
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "artifacts" in vars(cls):  # the rank-0-only hook this protocol had before outputs()
+            warnings.warn(f"{cls.__qualname__}.artifacts() is no longer called: implement outputs(model, out), which "
+                          "runs on every rank at the end of the run (out.final) and every log.outputs_every_*",
+                          UserWarning, stacklevel=2)
+
     @abstractmethod
     def build_model(self) -> nn.Module:
         """A fresh model on the CPU (hpctrain moves, compiles and wraps it)."""
@@ -137,7 +148,8 @@ class Experiment(ABC):
         ``out.image(...)`` (rank 0 writes; the other ranks' calls do nothing). Default: nothing."""
 
     def state_dict(self) -> dict[str, Any] | None:
-        """Experiment state a checkpoint must hold (rank 0's is saved, every rank loads it); None: none."""
+        """Experiment state a checkpoint must hold (rank 0's is saved, every rank loads it); None: none. Plain
+        values and tensors only: checkpoints are loaded with torch.load(weights_only=True)."""
         return None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
