@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Outputs(single_process_runtime(), step, 0, True, seed=1234, run_dir=args.run_dir,
                       metrics=MetricsLogger([]))
         columns = strip_timesteps(experiment.options.timesteps, 10)
-        x0, recorded, _ = draw_samples(experiment, model, out, args.n, args.ddim_steps, tuple(columns))
+        x0, recorded, _ = draw_samples(experiment, model, out, args.n, args.ddim_steps, tuple(columns), record_rows=8)
     samples = to_uint8(x0).float() / 255
     result = {"run_dir": str(args.run_dir), "step": step, "n": args.n, "ddim_steps": args.ddim_steps,
               "classifier_accuracy": accuracy, **score(classifier, samples),

@@ -90,3 +90,17 @@ def test_sampling_flags_need_sampling_options():
     check_can_sample(DrawsWithoutOptions, ("run.seed=1",))
     with pytest.raises(UserError, match="has no sampling options: --ddim-steps \\(model.sample_steps\\)"):
         check_can_sample(DrawsWithoutOptions, ("model.sample_steps=5",))
+
+
+def test_out_dir_must_not_be_the_runs_own_folders_or_a_file(tmp_path):
+    from hpctrain.train.sample import check_out_dir
+
+    run = tmp_path / "run"
+    (run / "images").mkdir(parents=True)
+    for bad in (run / "checkpoints", run / "images" / "samples"):
+        with pytest.raises(UserError, match="written by training"):
+            check_out_dir(bad, run)
+    (tmp_path / "file.png").write_bytes(b"x")
+    with pytest.raises(UserError, match="is a file"):
+        check_out_dir(tmp_path / "file.png", run)
+    check_out_dir(run / "samples", run)  # the default is fine

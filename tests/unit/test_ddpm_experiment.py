@@ -131,3 +131,22 @@ def test_plan_measures_an_experiment_that_draws_per_sample():
     result = run_hpctrain(["plan", "ddpm_cifar10", "--config", str(TINY), "--nodes", "2", "--gpus-per-node", "2",
                            "--busbw", "10", "--steps", "1", "--json", "train.global_batch_size=32"], 120)
     assert result.returncode == 0, result.output
+
+
+def test_sampling_in_chunks_and_with_nothing_to_draw(tmp_path: Path):
+    """model.sample_batch only changes how many samples go through the model at once, not the samples; a rank
+    with no share (fewer samples than ranks) returns empty tensors under the same strip keys as the others."""
+    from dataclasses import replace
+
+    torch.manual_seed(0)
+    whole, chunked = experiment(), experiment(DDPMCifar10, TINY, "model.sample_batch=2")
+    model = whole.build_model().eval()
+    rt = single_process_runtime(torch.device("cpu"))
+    out = Outputs(rt, 0, 0, True, 7, tmp_path, MetricsLogger([]))
+    a, rec_a, _ = draw_samples(whole, model, out, 5, 4, (99, -1), record_rows=3)
+    b, rec_b, _ = draw_samples(chunked, model, out, 5, 4, (99, -1), record_rows=3)
+    torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+    assert list(rec_a) == list(rec_b) == [99, -1] and rec_b[99].shape[0] == 3 and rec_b[-1].shape[0] == 3
+    idle = Outputs(replace(rt, rank=0, world_size=4), 0, 0, True, 7, tmp_path, MetricsLogger([]))
+    x0, rec, mine = draw_samples(whole, model, idle, 3, 4, (99, -1), record_rows=3)
+    assert len(mine) == 0 and x0.shape == (0, 3, 16, 16) and list(rec) == [99, -1] and rec[99].shape[0] == 0

@@ -194,3 +194,105 @@ def test_device_loader_needs_tensors():
 def test_png_sink_writes_numpy_grid(tmp_path: Path):
     path = PngSink(tmp_path).write_image("a/b", 12, np.zeros((4, 5, 3), np.uint8))
     assert path.name == "step_0000012.png" and Image.open(path).size == (5, 4)
+
+
+class _Counter:
+    """Experiment state: what a checkpoint's experiment.pt holds."""
+
+    def __init__(self, seen: int = 0) -> None:
+        self.seen = seen
+
+    def state_dict(self):
+        return {"seen": self.seen, "histogram": torch.arange(3.0) * self.seen}
+
+    def load_state_dict(self, state):
+        self.seen = state["seen"]
+        assert torch.equal(state["histogram"], torch.arange(3.0) * self.seen)
+
+
+def test_experiment_state_round_trips_through_a_checkpoint(tmp_path: Path, caplog):
+    from hpctrain.checkpoint.manager import Checkpointer
+    from hpctrain.train.state import TrainState
+    from tests.unit.test_async_checkpoint import training_state
+
+    rt = single_process_runtime(torch.device("cpu"))
+    saved = training_state(1)
+    saved["experiment"] = _Counter(seen=7)
+    Checkpointer(tmp_path, "toy", rt, "x = 1\n", 3).save(TrainState(step=1, global_batch_size=8), saved, wait=True)
+    fresh = training_state(0)
+    fresh["experiment"] = _Counter()
+    Checkpointer(tmp_path, "toy", rt, "x = 1\n", 3).restore("auto", fresh, seed=0)
+    assert fresh["experiment"].seen == 7
+    # A checkpoint without experiment state (an older version of the experiment): it starts fresh, with a warning.
+    del saved["experiment"]
+    Checkpointer(tmp_path / "old", "toy", rt, "x = 1\n", 3).save(TrainState(step=1, global_batch_size=8), saved, wait=True)
+    fresh["experiment"] = _Counter()
+    Checkpointer(tmp_path / "old", "toy", rt, "x = 1\n", 3).restore("auto", fresh, seed=0)
+    assert fresh["experiment"].seen == 0 and "holds no experiment state" in caplog.text
+
+
+def test_ema_matches_torch_averaged_model_bit_for_bit():
+    """hpctrain's EMA (no per-step host-to-device copy) computes what AveragedModel + get_ema_multi_avg_fn does."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    from hpctrain.train.ema import EMA
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    ours, theirs = EMA(model, 0.9), AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    for _ in range(4):
+        model(torch.randn(8, 4)).sum().backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+        ours.update_parameters(model)
+        theirs.update_parameters(model)
+    a, b = ours.state_dict(), theirs.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert int(a["n_averaged"]) == 4 and not torch.equal(a["module.0.weight"], model[0].weight)
+
+
+def test_old_artifacts_hook_is_flagged():
+    with pytest.warns(UserWarning, match="artifacts"):
+        class Old(_Stats):
+            def artifacts(self, model, out_dir):
+                pass
+
+
+def test_outputs_due_by_steps_by_epochs_and_at_the_end():
+    from types import SimpleNamespace
+
+    from hpctrain.train.loop import outputs_due
+
+    class Hook(_Stats):
+        def outputs(self, model, out):
+            pass
+
+    def due(experiment, step, epoch, epoch_ended, every_steps=0, every_epochs=0):
+        log = SimpleNamespace(outputs_every_steps=every_steps, outputs_every_epochs=every_epochs)
+        ctx = SimpleNamespace(experiment=experiment, state=SimpleNamespace(step=step, epoch=epoch), total_steps=100,
+                              cfg=SimpleNamespace(log=log))
+        return outputs_due(ctx, epoch_ended)
+
+    hook = Hook(_cfg())
+    assert due(hook, 100, 9, False) and not due(hook, 99, 9, False)  # the end, always
+    assert due(hook, 30, 1, False, every_steps=10) and not due(hook, 31, 1, False, every_steps=10)
+    assert due(hook, 40, 2, True, every_epochs=2) and not due(hook, 20, 1, True, every_epochs=2)
+    assert not due(hook, 40, 2, False, every_epochs=2)  # not mid-epoch
+    assert not due(_Stats(_cfg()), 100, 9, False)  # no hook: nothing, not even its barrier
+
+
+def test_on_device_refuses_an_experiment_that_augments_only_on_the_host():
+    from hpctrain.config.load import load_config
+    from hpctrain.experiments.digits import DigitsExperiment
+    from hpctrain.train.run import _train_loader
+
+    cfg = load_config("digits", DigitsExperiment.config_class, experiment_defaults=DigitsExperiment.defaults,
+                      overrides=["data.on_device=true"])
+    data = DigitsExperiment(cfg).build_datasets()
+    sampler = StepBatchSampler(len(data.train), plan_batches(100, 25, 1), 0, seed=0)
+    with pytest.raises(UserError, match="device_transform"):
+        _train_loader(cfg, single_process_runtime(torch.device("cpu")), data, sampler)
+    no_augment = load_config("digits", DigitsExperiment.config_class, experiment_defaults=DigitsExperiment.defaults,
+                             overrides=["data.on_device=true", "data.augment=false"])
+    assert isinstance(_train_loader(no_augment, single_process_runtime(torch.device("cpu")), data, sampler), DeviceLoader)

@@ -64,9 +64,10 @@ def gather_tensor_to_main(part: torch.Tensor, runtime: Runtime) -> torch.Tensor 
     padded = part.detach().to(runtime.device)
     if padded.shape[0] < longest:  # all_gather needs equal shapes
         padded = torch.cat([padded, padded.new_zeros((longest - padded.shape[0], *padded.shape[1:]))])
-    slots = [torch.empty_like(padded) for _ in range(runtime.world_size)]
-    dist.all_gather(slots, padded.contiguous())
-    if not runtime.is_main:
+    # gather, not all_gather: only rank 0 holds world x longest (50,000 samples are 150 MB as uint8).
+    slots = [torch.empty_like(padded) for _ in range(runtime.world_size)] if runtime.is_main else None
+    dist.gather(padded.contiguous(), slots, dst=0)
+    if slots is None:
         return None
     return torch.cat([slot[:n] for slot, n in zip(slots, lengths)]).cpu()
 

@@ -35,6 +35,10 @@ def write_png(path: Path, array: np.ndarray) -> Path:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    Image.fromarray(array[..., 0] if array.shape[-1] == 1 else array).save(tmp, format="PNG")
-    os.replace(tmp, path)
+    try:
+        Image.fromarray(array[..., 0] if array.shape[-1] == 1 else array).save(tmp, format="PNG")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written temporary behind
+        raise
     return path

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from hpctrain.errors import UserError
 from hpctrain.metrics.images import write_png
 from hpctrain.metrics.records import metric_values
 
@@ -34,13 +35,23 @@ class ImageSink(Protocol):
 
 
 class PngSink:
-    """RUN_DIR/images/TAG/step_NNNNNNN.png, one file per call."""
+    """ROOT/TAG/step_NNNNNNN.png, one file per call. During training a picture that cannot be written (a full
+    disk, a quota) is a warning, not the end of the run (strict=False); where the pictures are the point
+    (`hpctrain sample`), it is an error that says where."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, strict: bool = False) -> None:
         self.root = root
+        self.strict = strict
 
-    def write_image(self, tag: str, step: int, image: np.ndarray) -> Path:
-        return write_png(self.root / tag / f"step_{step:07d}.png", image)
+    def write_image(self, tag: str, step: int, image: np.ndarray) -> Path | None:
+        path = self.root / tag / f"step_{step:07d}.png"
+        try:
+            return write_png(path, image)
+        except OSError as err:
+            if self.strict:
+                raise UserError(f"cannot write {path}: {err}", "free space there, or choose another --out.") from None
+            log.warning("cannot write %s (%s); training goes on without this picture", path, err)
+            return None
 
 
 class JsonlSink:

@@ -116,23 +116,27 @@ def resolve_sample(run_dir: Path, overrides: tuple[str, ...]) -> tuple[type[Expe
 
 
 def check_out_dir(out: Path, run_dir: Path) -> None:
-    """The PNGs never go into the run's checkpoints."""
-    checkpoints = (run_dir / "checkpoints").resolve()
-    if out.resolve() == checkpoints or checkpoints in out.resolve().parents:
-        raise UserError(f"--out '{out}' lies inside the run's checkpoints",
-                        "choose another folder, e.g. RUN_DIR/samples (the default).")
+    """The PNGs never go into the run's checkpoints, over the run's own pictures, or onto a file."""
+    for kept in ("checkpoints", "images"):
+        folder = (run_dir / kept).resolve()
+        if out.resolve() == folder or folder in out.resolve().parents:
+            raise UserError(f"--out '{out}' lies inside the run's {kept}/ (written by training)",
+                            "choose another folder, e.g. RUN_DIR/samples (the default).")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out '{out}' is a file", "give a folder (it is created if missing).")
 
 
 class RecordingPngSink(PngSink):
     """A PngSink that remembers the files it wrote (to print them)."""
 
     def __init__(self, root: Path) -> None:
-        super().__init__(root)
+        super().__init__(root, strict=True)  # the pictures are the point: a failed write is an error
         self.written: list[Path] = []
 
-    def write_image(self, tag: str, step: int, image: np.ndarray) -> Path:
+    def write_image(self, tag: str, step: int, image: np.ndarray) -> Path | None:
         path = super().write_image(tag, step, image)
-        self.written.append(path)
+        if path is not None:
+            self.written.append(path)
         return path
 
 

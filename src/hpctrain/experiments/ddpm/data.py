@@ -52,8 +52,10 @@ def _shards(root: Path, split: str, data: DataSection) -> Dataset:
                           block_bytes=data.read_block_kb << 10, cache_bytes=data.read_cache_mb << 20)
     if not data.on_device:
         return shards
-    images = torch.stack([shards[i][0] for i in range(len(shards))])
-    return TensorDataset(images, torch.tensor([shards[i][1] for i in range(len(shards))]))
+    decoded = [shards[i] for i in range(len(shards))]  # each sample read and decoded once
+    held = TensorDataset(torch.stack([image for image, _ in decoded]), torch.tensor([label for _, label in decoded]))
+    held.epoch_order = shards.epoch_order  # the shard path's order (local windows), so on_device changes no batch
+    return held
 
 
 def _digits(size: int) -> tuple[TensorDataset, TensorDataset]:

@@ -182,6 +182,13 @@ class GaussianDiffusion:
             keys.add(-1 if r == -1 else min(visited, key=lambda v: (abs(v - r), -v)))
         return keys
 
+    def recorded_keys(self, record: Sequence[int], steps: int | None = None) -> list[int]:
+        """The keys sample() records for ``record`` with these steps, in its order (visiting order, -1 last):
+        known without sampling, so every rank agrees on them, also one that samples nothing."""
+        visited = list(range(self.num_timesteps - 1, -1, -1)) if steps is None else self.ddim_timesteps(steps)
+        keys = self._record_keys(record, visited)
+        return [t for t in visited if t in keys] + ([-1] if -1 in keys else [])
+
     @torch.no_grad()
     def sample(self, model: Model, x_T: Tensor, noise_fn: NoiseFn, steps: int | None = None, eta: float = 0.0,
                record: Sequence[int] = (), progress: Callable[[int, int], None] | None = None,

@@ -69,6 +69,8 @@ class DDPMOptions:
     """Samples drawn at each output (a grid); split across the ranks."""
     sample_steps: int = 100
     """DDIM steps for the outputs (eta 0); 0: ancestral DDPM sampling over all model.timesteps steps."""
+    sample_batch: int = 256
+    """Samples each rank draws at once (a forward pass of this batch per sampling step)."""
     strip_samples: int = 8
     """Samples shown in the denoising strip (rows)."""
     strip_columns: int = 10
@@ -124,7 +126,9 @@ class DDPMExperiment(Experiment):
             "count": torch.tensor(float(len(losses))),
             # Tensor statistics: the loss per timestep quarter, summed over batches and ranks like the scalars.
             "bucket_loss": torch.zeros(LOSS_BUCKETS, device=losses.device).index_add_(0, bucket, losses.float()),
-            "bucket_count": torch.bincount(bucket, minlength=LOSS_BUCKETS).float(),
+            # index_add_, not bincount: bincount sizes its output from the data, a device synchronisation on CUDA.
+            "bucket_count": torch.zeros(LOSS_BUCKETS, device=losses.device).index_add_(
+                0, bucket, torch.ones_like(losses, dtype=torch.float32)),
         }
 
     def metrics(self, totals: Mapping[str, Any]) -> dict[str, float]:
@@ -223,6 +227,8 @@ def _check_options(o: DDPMOptions) -> None:
     if o.samples < 1 or not 0 <= o.strip_samples <= o.samples or o.strip_columns < 2:
         raise UserError("model.samples must be >= 1, model.strip_samples in 0..model.samples, model.strip_columns >= 2",
                         f"got samples={o.samples}, strip_samples={o.strip_samples}, strip_columns={o.strip_columns}.")
+    if o.sample_batch < 1:
+        raise UserError(f"model.sample_batch={o.sample_batch} must be >= 1", "e.g. 256 on a GPU, 64 on a CPU.")
     if o.channels not in (1, 3):
         raise UserError(f"model.channels={o.channels}: images have 1 or 3 channels", "use 1 (digits) or 3.")
 

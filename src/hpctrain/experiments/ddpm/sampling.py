@@ -24,28 +24,46 @@ def strip_timesteps(timesteps: int, columns: int) -> list[int]:
     return ts + [-1]
 
 
-def draw_samples(experiment, model: nn.Module, out: Outputs, n: int, steps: int,
-                 record: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor], range]:
-    """This rank's share of n samples in [-1, 1] (and the recorded x_t), from positional noise."""
+def draw_samples(experiment, model: nn.Module, out: Outputs, n: int, steps: int, record: tuple[int, ...] = (),
+                 record_rows: int = 0) -> tuple[torch.Tensor, dict[int, torch.Tensor], range]:
+    """This rank's share of n samples in [-1, 1], drawn model.sample_batch at a time (50,000 samples do not fit
+    one batch), and x_t at the ``record`` timesteps for the samples below ``record_rows``."""
     o = experiment.options
     mine = out.share(n)
     shape = (o.channels, o.image_size, o.image_size)
-    x_T = out.randn(mine, *shape, stream=0)
+    parts: list[torch.Tensor] = []
+    kept: dict[int, list[torch.Tensor]] = {t: [] for t in experiment.diffusion.recorded_keys(record, steps or None)}
+    for begin in range(mine.start, mine.stop, o.sample_batch):
+        items = range(begin, min(begin + o.sample_batch, mine.stop))
+        rows = max(0, min(record_rows, items.stop) - items.start)  # of these, the ones the strip shows
+        x0, recorded = _sample_items(experiment, model, out, items, shape, steps, record if rows else ())
+        parts.append(x0)
+        for t, x in recorded.items():
+            kept[t].append(x[:rows])
+    empty = torch.zeros((0, *shape), device=out.device)  # a rank without items (fewer samples than ranks)
+    stacked = {t: torch.cat(xs) if xs else empty for t, xs in kept.items()}
+    return (torch.cat(parts) if parts else empty), stacked, mine
+
+
+def _sample_items(experiment, model: nn.Module, out: Outputs, items: range, shape: tuple[int, ...], steps: int,
+                  record: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    x_T = out.randn(items, *shape, stream=0)
 
     def noise(i: int, batch_shape: torch.Size) -> torch.Tensor:
-        return out.randn(mine, *batch_shape[1:], stream=1 + i)
+        return out.randn(items, *batch_shape[1:], stream=1 + i)
 
     with out.autocast():
         x0, recorded = experiment.diffusion.sample(model, x_T, noise, steps=steps or None, record=record,
                                                    progress=lambda k, total: out.beat())
-    return x0.float(), recorded, mine
+    return x0.float(), {t: x.float() for t, x in recorded.items()}
 
 
 def sample_outputs(experiment, model: nn.Module, out: Outputs) -> None:
     o = experiment.options
     started = time.perf_counter()
     columns = strip_timesteps(o.timesteps, o.strip_columns) if o.strip_samples else []
-    x0, recorded, mine = draw_samples(experiment, model, out, o.samples, o.sample_steps, tuple(columns))
+    x0, recorded, mine = draw_samples(experiment, model, out, o.samples, o.sample_steps, tuple(columns),
+                                      record_rows=o.strip_samples)
     images = out.gather(to_uint8(x0))
     out.image("samples", None if images is None else images.float() / 255)
     if o.strip_samples:
@@ -56,8 +74,7 @@ def sample_outputs(experiment, model: nn.Module, out: Outputs) -> None:
 
 def _strip(out: Outputs, recorded: dict[int, torch.Tensor], mine: range, rows: int) -> torch.Tensor | None:
     """Rows: the first ``rows`` samples; columns: x_t at the recorded timesteps, then the final image."""
-    keep = max(0, min(rows, mine.stop) - mine.start)  # this rank's part of the first `rows` samples
-    states = torch.stack([recorded[t][:keep].float() for t in recorded], dim=1)  # keep x columns x C x H x W
+    states = torch.stack([recorded[t] for t in recorded], dim=1)  # this rank's strip rows x columns x C x H x W
     gathered = out.gather(to_uint8(states))
     if gathered is None:
         return None
