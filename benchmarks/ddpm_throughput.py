@@ -10,7 +10,7 @@ U-Net of Ho et al. (35.7M parameters at the defaults, 32x32 images):
   plain     a hand-written torch loop: images as uint8 on the GPU, a permutation per epoch, random flips on the
             GPU, L_simple (GaussianDiffusion.training_losses) with torch.randint/torch.randn draws, bf16
             autocast, channels_last, fused AdamW with the reference's linear warm-up, gradient clipping at 1.0
-            and an EMA of the weights (torch's AveragedModel), optionally torch.compile on the model.
+            and an EMA of the weights (hpctrain.train.ema.EMA, as hpctrain's loop), optionally torch.compile.
   hpctrain  hpctrain's own loop (hpctrain.train.loop.train) on hpctrain's context for ddpm_cifar10 with
             model.source=fixture, data.on_device=true, train.precision=bf16, train.channels_last=true,
             train.compile per --compile: its heartbeat, stop vote, BatchInfo draws, loss window, scheduler,
@@ -57,7 +57,6 @@ import datetime
 import gc
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -67,13 +66,14 @@ from typing import Any, Callable
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.flop_counter import FlopCounterMode
 
 from hpctrain.config.schema import RunConfig
 from hpctrain.experiments.base import BatchInfo
 from hpctrain.experiments.ddpm.diffusion import GaussianDiffusion
 from hpctrain.perf.peaks import dense_peak
+from hpctrain.perf.provenance import source_commit
+from hpctrain.train.ema import EMA
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPERIMENT = "ddpm_cifar10"
@@ -168,8 +168,9 @@ class PlainLoop:
                                            weight_decay=opt.weight_decay, fused=device.type == "cuda" or None)
         warm = max(opt.warmup_steps, 1)
         self.scheduler = LambdaLR(self.optimizer, lambda step: min(1.0, (step + 1) / warm))
-        self.ema = AveragedModel(self.raw, multi_avg_fn=get_ema_multi_avg_fn(opt.ema_decay), use_buffers=True) \
-            if opt.ema_decay > 0 else None
+        # The EMA hpctrain uses (torch's AveragedModel arithmetic without its per-step host-to-device counter
+        # copy): the same EMA work on both sides, so the ratio is the loop's overhead, not the EMA's.
+        self.ema = EMA(self.raw, opt.ema_decay) if opt.ema_decay > 0 else None
         self.diffusion = GaussianDiffusion(o.timesteps, o.beta_start, o.beta_end, o.variance)
         self.timesteps = o.timesteps
         n = o.fixture_samples
@@ -360,19 +361,6 @@ def measure_draws(s: Settings, image_shape: tuple[int, ...], timesteps: int,
 
 # ---- reporting -----------------------------------------------------------------------------------------------
 
-def _git(*args: str) -> str:
-    try:
-        done = subprocess.run(["git", *args], capture_output=True, text=True, timeout=30, cwd=ROOT)
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return done.stdout.strip() if done.returncode == 0 else ""
-
-
-def commit() -> str:
-    head = _git("rev-parse", "--short=12", "HEAD")
-    return (head + ("+changes" if _git("status", "--porcelain") else "")) if head else "-"
-
-
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
@@ -425,7 +413,7 @@ def header(s: Settings, params: int, cfg: RunConfig) -> list[str]:
              f"{o.num_res_blocks} res blocks, {o.image_size}x{o.image_size}, dropout {o.dropout:g})")
     mode = ("bf16 autocast" if s.cuda else "fp32") + ", channels_last, " + ("torch.compile" if s.compile else "eager")
     lines = [f"# DDPM throughput ({EXPERIMENT}): {device_name(s.device)} | {torch_text} | "
-             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC | commit {commit()}",
+             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC | commit {source_commit(ROOT) or '-'}",
              f"# {model}; {mode}; one process, micro batch = global batch; {s.steps} steps x {s.repeats} "
              f"repeats after {s.warmup} warm-up, plain/hpctrain alternating; median [min, max]"]
     if s.smoke:
@@ -527,7 +515,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = {"header": head, "device": device_name(s.device), "torch": torch.__version__,
               "cuda": torch.version.cuda if s.cuda else None,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "commit": commit(), "smoke": s.smoke, "compile": s.compile, "parameters": params,
+              "commit": source_commit(ROOT) or "-", "smoke": s.smoke, "compile": s.compile, "parameters": params,
               "peak": dataclasses.asdict(peak) if peak is not None else None, "rows": table, "draws": draws}
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")

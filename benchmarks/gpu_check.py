@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from hpctrain.perf.provenance import source_commit
 from hpctrain.proctree import kill_tree
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -131,14 +132,6 @@ def _nvidia_smi(field_name: str) -> str | None:
     return done.stdout.splitlines()[0].strip() if done.returncode == 0 and done.stdout.strip() else None
 
 
-def _git(*args: str) -> str:
-    try:
-        done = subprocess.run(["git", *args], capture_output=True, text=True, timeout=30, cwd=ROOT)
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return done.stdout.strip() if done.returncode == 0 else ""
-
-
 def query_environment(python: str, timeout_s: float = 180) -> dict:
     started = time.time()
     try:
@@ -151,7 +144,7 @@ def query_environment(python: str, timeout_s: float = 180) -> dict:
         env = {"error": f"unreadable environment: {err}"}
     env.setdefault("date", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     env.setdefault("host", socket.gethostname().split(".")[0])
-    env["commit"] = _git("rev-parse", "--short=12", "HEAD") + ("+changes" if _git("status", "--porcelain") else "")
+    env["commit"] = source_commit(ROOT)
     env["query_s"] = round(time.time() - started, 1)
     return env
 

@@ -3,6 +3,8 @@ and a check that no test leaks a process group or environment variables."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -82,3 +84,18 @@ def _no_leaks():
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
         pytest.fail("test left a process group initialised")
+
+
+@contextlib.contextmanager
+def benchmark_module(name: str):
+    """benchmarks/NAME.py imported as a module (benchmarks/ is not a package), registered in sys.modules while
+    in use: dataclasses look their module up there."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(name, None)
+

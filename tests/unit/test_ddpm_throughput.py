@@ -3,27 +3,19 @@ positive numbers, the draw-price table is there, and --json writes the same numb
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "ddpm_throughput.py"
+from tests.conftest import benchmark_module
+
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("ddpm_throughput", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["ddpm_throughput"] = module  # dataclasses look their module up
-    try:
-        spec.loader.exec_module(module)
+    with benchmark_module("ddpm_throughput") as module:
         yield module
-    finally:
-        sys.modules.pop("ddpm_throughput", None)
 
 
 def _cells(line: str) -> list[str]:

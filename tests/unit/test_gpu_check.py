@@ -3,7 +3,6 @@ environment.json) and the stage runner (a failing and a timed-out stage fail alo
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,20 +12,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import benchmark_module
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 
 
 @pytest.fixture(scope="module")
 def gc():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # dataclasses look their module up
-    try:
-        spec.loader.exec_module(module)
+    with benchmark_module("gpu_check") as module:
         yield module
-    finally:
-        sys.modules.pop("gpu_check", None)
 
 
 def test_without_cuda_every_gpu_stage_is_skipped_and_the_command_succeeds(tmp_path: Path, gc):
