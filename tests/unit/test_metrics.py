@@ -60,6 +60,11 @@ def test_format_record():
     assert line == "step 5/10 | train | loss 0.1235 | eta 0:01:05"
 
 
+def test_format_record_puts_detail_values_on_their_own_lines():
+    record = {"step": 5, "split": "val", "miou": 0.5, "iou/skin": 0.9, "iou/hair": 0.8, "time": 1.0}
+    assert format_record(record, 10).split("\n") == ["step 5/10 | val | miou 0.5", "    iou: hair 0.8 | skin 0.9"]
+
+
 def test_changed_config_keeps_the_earlier_one(tmp_path: Path):
     prepare_run_dir(tmp_path, "a = 1\n")
     prepare_run_dir(tmp_path, "a = 1\n")

@@ -53,6 +53,10 @@ class TrainSection:
     torch's warning in the log (dynamo's suppress_errors fallback), instead of ending the run."""
     channels_last: bool = False
     """Use the channels_last memory format for 4-D inputs and weights (faster convolutions on tensor cores)."""
+    sync_batchnorm: Literal["auto", "on", "off"] = "auto"
+    """Batch-norm statistics over the global micro-batch (torch's SyncBatchNorm, one all-reduce per BN layer per
+    forward) instead of each GPU's own. auto: on for GPU runs with more than one process and a model with batch
+    norm; on: the same, and an error on CPUs (torch's SyncBatchNorm runs only on GPUs); off: per-GPU statistics."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,8 +73,11 @@ class OptimSection:
     """SGD momentum (Nesterov)."""
     warmup_steps: int = 0
     """Linear warmup from 0 to optim.lr over this many optimizer steps."""
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    """Learning-rate decay after warmup, down to optim.lr * optim.min_lr_ratio at the last step."""
+    schedule: Literal["cosine", "linear", "poly", "constant"] = "cosine"
+    """Learning-rate decay after warmup, down to optim.lr * optim.min_lr_ratio at the last step. poly: (1 -
+    progress) ** optim.poly_power, the DeepLab schedule."""
+    poly_power: float = 0.9
+    """Exponent of the poly schedule."""
     min_lr_ratio: float = 0.0
     """Final learning rate as a fraction of optim.lr."""
     ema_decay: float = 0.0

@@ -46,6 +46,7 @@ def validate(cfg: RunConfig) -> None:
     _require(all(0 <= b < 1 for b in o.betas), "optim.betas", f"each beta must be in [0, 1), got {list(o.betas)}")
     _require(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
     _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
+    _require(o.poly_power > 0, "optim.poly_power", f"must be positive (DeepLab uses 0.9), got {o.poly_power}")
     _require(0 <= o.ema_decay < 1, "optim.ema_decay", "must be in [0, 1); 0 disables EMA")
     _require(cfg.data.num_workers >= -1, "data.num_workers", "must be >= 0, or -1 for automatic")
     _require(cfg.data.prefetch_factor > 0, "data.prefetch_factor", "must be positive")

@@ -9,11 +9,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpctrain.config.schema import RunConfig
 from hpctrain.dist.runtime import Runtime
+from hpctrain.errors import UserError, on_every_rank
 
 
 def wrap_model(model: nn.Module, cfg: RunConfig, runtime: Runtime) -> nn.Module:
     """The model to train with. Move before wrapping: DDP registers its hooks on the
     parameters it finds, and they must already live on the rank's device."""
+    if use_sync_batchnorm(model, cfg.train.sync_batchnorm, runtime):
+        # Before DDP (which must see the final modules); same parameters and buffers, so checkpoints load either way.
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(runtime.device)
     if cfg.train.channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -29,6 +33,20 @@ def wrap_model(model: nn.Module, cfg: RunConfig, runtime: Runtime) -> nn.Module:
         torch._dynamo.config.suppress_errors = True
         model = torch.compile(model)  # type: ignore[assignment]
     return model
+
+
+def use_sync_batchnorm(model: nn.Module, mode: str, runtime: Runtime) -> bool:
+    """Whether to convert the model's batch norms (see train.sync_batchnorm)."""
+    has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    if mode == "off" or not has_bn or not runtime.distributed:
+        return False
+    if runtime.device.type != "cuda":
+        if mode == "on":
+            raise on_every_rank(UserError(
+                "train.sync_batchnorm=on, but torch's SyncBatchNorm runs only on GPUs and this run is on the CPU",
+                "set train.sync_batchnorm=auto (per-process statistics on CPUs, synchronised on GPUs) or off."))
+        return False
+    return True
 
 
 def _ddp(model: nn.Module, cfg: RunConfig, runtime: Runtime) -> DDP:

@@ -121,6 +121,13 @@ class Experiment(ABC):
     def build_model(self) -> nn.Module:
         """A fresh model on the CPU (hpctrain moves, compiles and wraps it)."""
 
+    def init_weights(self, model: nn.Module) -> str | None:
+        """Load initial (pretrained) weights into the fresh model from build_model, on the CPU, before it is
+        wrapped; a line for the log about what was loaded. Called when training starts without a checkpoint to
+        resume, never by resume, sample, export or predict (their weights come from the checkpoint).
+        Default: nothing."""
+        return None
+
     @abstractmethod
     def build_datasets(self) -> Datasets:
         """Training and validation sets."""
@@ -140,6 +147,17 @@ class Experiment(ABC):
         """Metrics from statistics summed over the whole validation set (all ranks): a float for each scalar
         statistic, a float64 CPU tensor for each tensor statistic."""
         return {"loss": totals["loss_sum"] / max(totals["count"], 1.0)}
+
+    def param_groups(self, model: nn.Module) -> list[dict[str, Any]] | None:
+        """Optimizer parameter groups of ``model`` (the plain module, on its device): a list of ``{"params":
+        [...], "lr_scale": float, "name": str}``, every trainable parameter in exactly one group; a group learns at
+        optim.lr x lr_scale under the common schedule (e.g. 0.1 for a pretrained backbone). Biases and norm
+        weights get no weight decay in any group. None (default): one group."""
+        return None
+
+    def describe_metrics(self, metrics: Mapping[str, float]) -> str | None:
+        """Extra text the log shows after each validation (rank 0), e.g. a per-class table. Default: none."""
+        return None
 
     def outputs(self, model: nn.Module, out: "Outputs") -> None:
         """Samples, pictures, predictions: called on *every* rank with the weights that ship (the EMA ones when

@@ -32,7 +32,8 @@ def plot_training(records: list[dict[str, Any]], out: Path, title: str = "") -> 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
     plot_loss(axes[0, 0], records)
     ax = axes[0, 1]
-    val_keys = sorted({k for r in records if r["split"] == "val" for k in r if k not in _SKIP})
+    # Detail values ('iou/skin': keys with a '/') would bury the headline curves; the experiment plots its own.
+    val_keys = sorted({k for r in records if r["split"] == "val" for k in r if k not in _SKIP and "/" not in k})
     for key in val_keys:
         x, y = series(records, "val", key)
         ax.plot(x, y, "o-", label=key, markersize=3)

@@ -87,13 +87,23 @@ class TensorBoardSink:
 
 
 def format_record(record: dict[str, Any], total_steps: int) -> str:
+    """One line of the top-level values; then one indented line per group of detail values ('iou/skin',
+    'iou/hair', ...: keys with a '/'), so 19 per-class numbers do not bury the headline ones."""
     parts = [f"step {record['step']}/{total_steps}", record["split"]]
+    groups: dict[str, list[str]] = {}
     for key in sorted(k for k in record if k not in ("step", "split", "time", "eta_s")):
         value = record[key]
-        parts.append(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}")
+        text = f"{value:.4g}" if isinstance(value, float) else f"{value}"
+        group, slash, name = key.partition("/")
+        if slash:
+            groups.setdefault(group, []).append(f"{name} {text}")
+        else:
+            parts.append(f"{key} {text}")
     if "eta_s" in record:
         parts.append(f"eta {datetime.timedelta(seconds=round(record['eta_s']))}")
-    return " | ".join(parts)
+    lines = [" | ".join(parts)]
+    lines += [f"    {group}: " + " | ".join(items) for group, items in groups.items()]
+    return "\n".join(lines)
 
 
 class ConsoleSink:

@@ -18,6 +18,7 @@ from hpctrain.experiments.base import BatchInfo, call_train_loss, has_outputs
 from hpctrain.train.context import TrainContext
 from hpctrain.train.device import to_device
 from hpctrain.train.evaluate import evaluate
+from hpctrain.train.optim import base_lr
 from hpctrain.train.outputs import Outputs, run_outputs
 
 log = logging.getLogger("hpctrain")
@@ -44,7 +45,7 @@ def train(ctx: TrainContext) -> LoopResult:
         batches = iter(ctx.train_loader)
         epoch = ctx.state.epoch
         while ctx.state.step < ctx.end_step and ctx.state.epoch == epoch:
-            window.lr = ctx.optimizer.param_groups[0]["lr"]  # the rate this step uses; the scheduler moves it after
+            window.lr = base_lr(ctx.optimizer)  # the rate this step uses; the scheduler moves it after
             loss, grad_norm = optimizer_step(ctx, batches, window)
             ctx.state.advance(ctx.plan.global_batch_size, ctx.sampler.steps_per_epoch)
             window.add(loss, grad_norm)
@@ -141,6 +142,9 @@ def after_step(ctx: TrainContext, window: "_Window", epoch_ended: bool) -> tuple
         val = evaluate(ctx.experiment, model, ctx.val_loader, ctx.runtime, ctx.precision, cfg.train.channels_last,
                        on_batch=lambda: fault.heartbeat.mark("eval"), seed=cfg.run.seed, step=step)
         ctx.metrics.log({"step": step, "split": "val", "epoch": ctx.state.epoch, **val})
+        text = ctx.experiment.describe_metrics(val) if ctx.runtime.is_main else None
+        if text:
+            log.info("validation at step %d:\n%s", step, text)
     if not saved_first and (save_due(step, total, cfg.ckpt.every_steps) or leaving or verdict.save_due):
         _save(ctx, wait=leaving)  # the last save is waited for: a finished run exits only with it on disk
     if outputs_due(ctx, epoch_ended):

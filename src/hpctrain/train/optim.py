@@ -3,22 +3,70 @@
 from __future__ import annotations
 
 import math
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from hpctrain.config.schema import OptimSection
+from hpctrain.errors import UserError
 
 
-def build_optimizer(model: nn.Module, cfg: OptimSection, fused: bool = False) -> torch.optim.Optimizer:
-    # No weight decay on biases and norm weights (1-D tensors): decaying them only hurts.
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+def build_optimizer(model: nn.Module, cfg: OptimSection, fused: bool = False,
+                    groups: Sequence[Mapping[str, Any]] | None = None) -> torch.optim.Optimizer:
+    """``groups``: the experiment's parameter groups (Experiment.param_groups), each ``{"params": [...],
+    "lr_scale": float}`` (lr_scale default 1: a group learns at optim.lr x lr_scale, under the same schedule);
+    None: one group of all parameters."""
+    groups = _split_decay(check_groups(model, groups), cfg.weight_decay, cfg.lr)
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=fused or None)
+
+
+def check_groups(model: nn.Module, groups: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]]:
+    """The groups, checked to hold every trainable parameter of ``model`` exactly once."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if groups is None:
+        return [{"params": trainable, "lr_scale": 1.0}]
+    out, seen = [], set()
+    for i, group in enumerate(groups):
+        params = [p for p in group["params"] if p.requires_grad]
+        unknown = set(group) - {"params", "lr_scale", "weight_decay", "name"}
+        if unknown:
+            raise UserError(f"parameter group {i} has unknown keys {sorted(unknown)}",
+                            "a group takes params, lr_scale, weight_decay and name.")
+        twice = [p for p in params if id(p) in seen]
+        if twice:
+            raise UserError(f"parameter group {i} repeats {len(twice)} parameter(s) of an earlier group",
+                            "Experiment.param_groups must put every parameter in one group only.")
+        seen.update(id(p) for p in params)
+        out.append({**group, "params": params, "lr_scale": float(group.get("lr_scale", 1.0))})
+    missing = [p for p in trainable if id(p) not in seen]
+    if missing:
+        raise UserError(f"Experiment.param_groups leaves {len(missing)} trainable parameter(s) "
+                        f"({sum(p.numel() for p in missing):,} values) out of every group",
+                        "put every trainable parameter in a group (or set requires_grad=False to freeze it).")
+    return out
+
+
+def _split_decay(groups: list[dict[str, Any]], weight_decay: float, lr: float) -> list[dict[str, Any]]:
+    """Each group in two: no weight decay on biases and norm weights (1-D tensors), decaying them only hurts.
+    lr is set per group, so the scheduler (LambdaLR) scales each group's own base rate."""
+    out = []
+    for group in groups:
+        decay = group.get("weight_decay", weight_decay)
+        extra = {k: v for k, v in group.items() if k not in ("params", "weight_decay")}
+        for params, wd in (([p for p in group["params"] if p.ndim >= 2], decay),
+                           ([p for p in group["params"] if p.ndim < 2], 0.0)):
+            out.append({**extra, "params": params, "weight_decay": wd, "lr": lr * group["lr_scale"]})
+    return out
+
+
+def base_lr(optimizer: torch.optim.Optimizer) -> float:
+    """optim.lr as scheduled now (a group's rate over its lr_scale): what the logs call lr."""
+    group = optimizer.param_groups[0]
+    return group["lr"] / group.get("lr_scale", 1.0)
 
 
 def lr_factor(step: int, total_steps: int, cfg: OptimSection) -> float:
@@ -29,7 +77,12 @@ def lr_factor(step: int, total_steps: int, cfg: OptimSection) -> float:
         return 1.0
     span = max(1, total_steps - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / span)
-    shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" else 1 - progress
+    if cfg.schedule == "cosine":
+        shape = 0.5 * (1 + math.cos(math.pi * progress))
+    elif cfg.schedule == "poly":
+        shape = (1 - progress) ** cfg.poly_power
+    else:
+        shape = 1 - progress
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
 
 

@@ -12,7 +12,7 @@ import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, ContextManager
+from typing import TYPE_CHECKING, Callable, ContextManager
 
 import torch
 
@@ -21,6 +21,9 @@ from hpctrain.dist.collectives import barrier, gather_tensor_to_main
 from hpctrain.dist.runtime import Runtime
 from hpctrain.metrics.images import image_grid
 from hpctrain.metrics.sinks import MetricsLogger
+
+if TYPE_CHECKING:
+    import numpy as np
 
 log = logging.getLogger("hpctrain")
 
@@ -75,6 +78,16 @@ class Outputs:
         if not self.runtime.is_main or images is None:
             return None
         path = self.metrics.image(tag, self.step, image_grid(images, nrow))
+        if path is not None:
+            log.info("%s: %s", tag, path)
+        return path
+
+    def picture(self, tag: str, picture: "np.ndarray | None") -> Path | None:
+        """Rank 0: an H x W x 3 uint8 picture as it is (a figure with axes and a legend), like image. Other ranks
+        (and None): nothing."""
+        if not self.runtime.is_main or picture is None:
+            return None
+        path = self.metrics.image(tag, self.step, picture)
         if path is not None:
             log.info("%s: %s", tag, path)
         return path

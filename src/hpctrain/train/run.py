@@ -8,7 +8,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpctrain.checkpoint.manager import Checkpointer, Resumed
+import torch
+
+from hpctrain.checkpoint.manager import Checkpointer, Resumed, select_checkpoint
 from hpctrain.config.batch import plan_batches
 from hpctrain.config.schema import RunConfig
 from hpctrain.data.device_loader import DeviceLoader, dataset_tensors
@@ -53,6 +55,7 @@ def build_context(
     seed_everything(cfg.run.seed)
     data = experiment.build_datasets()
     model = experiment.build_model()
+    _init_weights(experiment, model, cfg, runtime)
     seed_rank_streams(cfg.run.seed, runtime.rank)
     # A sharded set brings its own epoch order (local windows, for sequential reads); same guarantees.
     order = getattr(data.train, "epoch_order", None)
@@ -66,7 +69,7 @@ def build_context(
     wrapped = wrap_model(model, cfg, runtime)
     raw = unwrap_model(wrapped)
     precision = resolve_precision(cfg.train.precision, runtime.device)
-    optimizer = build_optimizer(raw, cfg.optim, fused=runtime.device.type == "cuda")
+    optimizer = build_optimizer(raw, cfg.optim, fused=runtime.device.type == "cuda", groups=experiment.param_groups(raw))
     total_steps = cfg.train.max_steps or cfg.train.epochs * sampler.steps_per_epoch
     if runtime.is_main and write_run_dir:
         prepare_run_dir(run_dir, config_text)
@@ -95,6 +98,24 @@ def build_context(
             heartbeat=Heartbeat(runtime.rank, runtime.hostname, on_mark=build_injector(fault_injection_spec(), runtime.rank)),
         ),
     )
+
+
+def _init_weights(experiment: Experiment, model: torch.nn.Module, cfg: RunConfig, runtime: Runtime) -> None:
+    """The experiment's pretrained weights, when this run starts fresh (a resumed one gets its weights from the
+    checkpoint, and must not need the pretrained file). Every rank loads the same file: DDP would broadcast rank
+    0's weights anyway, and a one-process run must start from the same ones."""
+    if type(experiment).init_weights is Experiment.init_weights:
+        return
+    chosen, _ = select_checkpoint(Path(cfg.run_dir) / "checkpoints", cfg.ckpt.resume, cfg.experiment,
+                                  verify_checksums=False)
+    if chosen is not None:
+        return
+    try:
+        text = experiment.init_weights(model)
+    except UserError as err:
+        raise on_every_rank(err) from None
+    if text and runtime.is_main:
+        log.info("initial weights: %s", text)
 
 
 def _train_loader(cfg: RunConfig, runtime: Runtime, data: Datasets, sampler: StepBatchSampler):
