@@ -1,0 +1,1 @@
+"""Face parsing on CelebAMask-HQ with DeepLabV3+."""
