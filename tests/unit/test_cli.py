@@ -65,7 +65,7 @@ def test_config_describe_lists_keys_with_docs(capsys):
 def test_experiments_lists_the_built_ins(capsys):
     code, out, _ = run(capsys, "experiments")
     names = [line.split()[0] for line in out.splitlines()]
-    assert code == 0 and names == ["ddpm_cifar10", "ddpm_digits", "digits"]
+    assert code == 0 and names == ["ddpm_cifar10", "ddpm_digits", "digits", "faceseg", "faceseg_celebamask"]
 
 
 def test_checkpoint_of_another_experiment_is_refused_before_launch(capsys, tmp_path: Path):

@@ -17,6 +17,8 @@ BUILTIN: dict[str, str] = {
     "digits": "hpctrain.experiments.digits:DigitsExperiment",
     "ddpm_cifar10": "hpctrain.experiments.ddpm.experiment:DDPMCifar10",
     "ddpm_digits": "hpctrain.experiments.ddpm.experiment:DDPMDigits",
+    "faceseg": "hpctrain.experiments.faceseg.experiment:FaceSegGenerated",
+    "faceseg_celebamask": "hpctrain.experiments.faceseg.experiment:FaceSegCelebAMask",
 }
 
 

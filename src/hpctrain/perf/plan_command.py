@@ -90,7 +90,7 @@ def measure_step(experiment, cfg: RunConfig, steps: int) -> tuple[StepProfile, t
     from hpctrain.train.run import build_context
 
     runtime = single_process_runtime()
-    ctx = build_context(cfg, runtime, experiment, config_text="", write_run_dir=False)
+    ctx = build_context(cfg, runtime, experiment, config_text="", write_run_dir=False, pretrained=False)
     batches = _endless(ctx)
     # two warm-up steps: allocator, autotuning, lazy optimizer state
     times = [_timed_step(ctx, next(batches)) for _ in range(steps + 2)]

@@ -46,8 +46,11 @@ log = logging.getLogger("hpctrain")
 
 
 def build_context(
-    cfg: RunConfig, runtime: Runtime, experiment: Experiment, config_text: str, write_run_dir: bool = True
+    cfg: RunConfig, runtime: Runtime, experiment: Experiment, config_text: str, write_run_dir: bool = True,
+    pretrained: bool = True,
 ) -> TrainContext:
+    """``pretrained``: load the experiment's initial weights (init_weights) on a fresh start; measurements of a
+    step (plan, benchmarks) leave it off, they need no weight files."""
     run_dir = Path(cfg.run_dir)
     plan = plan_batches(cfg.train.global_batch_size, cfg.train.micro_batch_size, runtime.world_size)
     # Same seed on every rank for the model's initial weights (DDP would broadcast rank 0's
@@ -55,7 +58,8 @@ def build_context(
     seed_everything(cfg.run.seed)
     data = experiment.build_datasets()
     model = experiment.build_model()
-    _init_weights(experiment, model, cfg, runtime)
+    if pretrained:
+        _init_weights(experiment, model, cfg, runtime)
     seed_rank_streams(cfg.run.seed, runtime.rank)
     # A sharded set brings its own epoch order (local windows, for sequential reads); same guarantees.
     order = getattr(data.train, "epoch_order", None)
@@ -106,11 +110,11 @@ def _init_weights(experiment: Experiment, model: torch.nn.Module, cfg: RunConfig
     0's weights anyway, and a one-process run must start from the same ones."""
     if type(experiment).init_weights is Experiment.init_weights:
         return
-    chosen, _ = select_checkpoint(Path(cfg.run_dir) / "checkpoints", cfg.ckpt.resume, cfg.experiment,
-                                  verify_checksums=False)
-    if chosen is not None:
-        return
     try:
+        chosen, _ = select_checkpoint(Path(cfg.run_dir) / "checkpoints", cfg.ckpt.resume, cfg.experiment,
+                                      verify_checksums=False)
+        if chosen is not None:
+            return
         text = experiment.init_weights(model)
     except UserError as err:
         raise on_every_rank(err) from None
@@ -184,7 +188,7 @@ def run_training(cfg: RunConfig, runtime: Runtime, experiment: Experiment, confi
         _finish(ctx, result.val, time.perf_counter() - started)
         if ctx.state.step >= ctx.total_steps:
             alerter.send("complete", last_step=ctx.state.step, exit_code=0,
-                         detail=", ".join(f"{k} {v:.4g}" for k, v in result.val.items()))
+                         detail=", ".join(f"{k} {v:.4g}" for k, v in result.val.items() if "/" not in k))
     barrier(runtime)
     return Outcome(0, result.val)
 
@@ -265,7 +269,7 @@ def _finish(ctx: TrainContext, final: dict[str, float], seconds: float) -> None:
     if ctx.cfg.log.plots and (run_dir / "metrics.jsonl").exists():
         path = plot_training(read_metrics(run_dir / "metrics.jsonl"), run_dir / "plots" / "training.png", ctx.cfg.run_name)
         log.info("plot: %s", path)
-    shown = ", ".join(f"{k} {v:.4f}" for k, v in final.items())
+    shown = ", ".join(f"{k} {v:.4f}" for k, v in final.items() if "/" not in k)  # details: in the table above
     log.info("done: step %d in %.1f s%s; run dir %s", ctx.state.step, seconds, f"; val {shown}" if shown else "", run_dir)
 
 
