@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_sample_parser(sub)
     _add_export_parser(sub)
+    _add_predict_parser(sub)
 
     config = sub.add_parser("config", help="print the resolved config as TOML, or --describe every key")
     _add_run_args(config)
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.set_defaults(func=_report)
 
     _add_shard_parser(sub)
+    _add_synth_parser(sub)
 
     doctor = sub.add_parser("doctor", help="check the launch environment (inside a job: on every node via srun); "
                             "--perf measures bandwidth, matmul throughput and stragglers")
@@ -121,6 +123,62 @@ def _add_export_parser(sub) -> None:
                         help="the checkpoint: the latest (auto, the default) or a checkpoint directory")
     export.add_argument("--debug", action="store_true", help="show tracebacks")
     export.set_defaults(func=_export)
+
+
+def _add_predict_parser(sub) -> None:
+    predict = sub.add_parser(
+        "predict", help="coloured masks of a trained segmentation run for images, or its comparison picture",
+        description="With IMAGES: DIR/<name>.png (coloured mask, the image's size) and DIR/<name>_labels.png (class "
+        "indices). Without: DIR/comparison.png for the run's fixed validation images (image, ground truth, "
+        "prediction). --compare adds another run's predictions (e.g. pretrained vs from scratch). One process; "
+        "a GPU when there is one.",
+    )
+    predict.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of a trained segmentation run")
+    predict.add_argument("images", nargs="*", metavar="IMAGE", help="JPEG or PNG files")
+    predict.add_argument("--out", default="", metavar="DIR", help="where the PNGs go (default RUN_DIR/predictions)")
+    predict.add_argument("--compare", default="", metavar="RUN_DIR", help="a second run whose predictions to show")
+    predict.add_argument("--resume", default="auto", metavar="auto|PATH",
+                         help="RUN_DIR's checkpoint: the latest (auto, the default) or a checkpoint directory")
+    predict.add_argument("--debug", action="store_true", help="show tracebacks")
+    predict.set_defaults(func=_predict)
+
+
+def _predict(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from hpctrain.logs import setup_logging
+    from hpctrain.train.predict import predict_command
+
+    setup_logging(debug=args.debug)
+    return predict_command(Path(args.run_dir).resolve(), args.images, Path(args.out).resolve() if args.out else None,
+                           Path(args.compare).resolve() if args.compare else None, args.resume)
+
+
+def _add_synth_parser(sub) -> None:
+    synth = sub.add_parser(
+        "synth", help="generate a learnable stand-in data set in a real data set's on-disk layout",
+        description="faces: drawn faces with all 19 CelebAMask-HQ classes (random pose, colours, background) in "
+        "the CelebAMask-HQ release layout, with the standard split files; read by model.source=celebamask and by "
+        "hpctrain shard --format celebamask. Written to a temporary folder and renamed into place.",
+    )
+    synth.add_argument("kind", choices=("faces",), help="which data set")
+    synth.add_argument("out", metavar="OUT", help="folder to create (must not exist, or be empty)")
+    synth.add_argument("--count", type=int, default=3000, help="images (default 3000: 80/10/10 train/val/test)")
+    synth.add_argument("--size", type=int, default=256, help="image side in pixels (masks are half of it)")
+    synth.add_argument("--seed", type=int, default=0, help="image i depends only on (seed, i)")
+    synth.add_argument("--debug", action="store_true", help="show tracebacks")
+    synth.set_defaults(func=_synth)
+
+
+def _synth(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from hpctrain.data.synth import synth_faces
+    from hpctrain.logs import setup_logging
+
+    setup_logging(debug=args.debug)
+    print(synth_faces(Path(args.out), args.count, args.size, args.seed), flush=True)
+    return 0
 
 
 def _sample_request(args: argparse.Namespace):

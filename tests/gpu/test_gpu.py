@@ -81,3 +81,58 @@ def test_the_stop_vote_on_nccl_reduces_through_pinned_buffers(tmp_path: Path):
         torch.cuda.synchronize()
     finally:
         dist.destroy_process_group()
+
+
+def test_faceseg_from_shards_with_nvjpeg_bf16_channels_last_and_compile(tmp_path: Path):
+    """The face-parsing GPU path end to end: shards, JPEGs decoded and cropped on the GPU, bf16, NHWC, compile."""
+    from hpctrain.data.faces import make_faces
+    from hpctrain.data.shard_command import ShardRequest, shard_command
+
+    faces = make_faces(tmp_path / "faces", 80, size=128, mask_size=64)
+    shards = tmp_path / "shards"
+    assert shard_command(ShardRequest(source=faces, out=shards, format="celebamask", shard_size=1 << 20, resize=128)) == 0
+    run_dir = tmp_path / "run"
+    result = run_hpctrain(
+        ["train", "faceseg", f"run.dir={run_dir}", "model.source=shards", f"model.data_root={shards}",
+         "model.gpu_decode=true", "model.image_size=128", "train.precision=bf16", "train.channels_last=true",
+         "train.compile=true", "train.max_steps=30", "eval.every_steps=30", "log.every_steps=1", "log.plots=false"],
+        500,
+    )
+    assert result.returncode == 0, result.output
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    losses = [r["loss"] for r in records if r["split"] == "train"]
+    assert len(losses) == 30 and losses[-1] < losses[0]
+    val = [r for r in records if r["split"] == "val"][-1]
+    assert 0 < val["miou"] < 1 and (run_dir / "images" / "comparison" / "step_0000030.png").is_file()
+
+
+def test_sync_batchnorm_converts_and_trains_on_cuda(tmp_path: Path):
+    """train.sync_batchnorm=auto on a GPU process group converts every BatchNorm of DeepLabV3+ (one-rank NCCL
+    group: the conversion and SyncBatchNorm's CUDA forward/backward; the cross-GPU statistics need 2 GPUs)."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from hpctrain.config.load import load_config
+    from hpctrain.dist.runtime import single_process_runtime
+    from hpctrain.dist.wrap import unwrap_model, wrap_model
+    from hpctrain.experiments.faceseg.experiment import FaceSegGenerated
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
+                            device_id=device)
+    try:
+        cls = FaceSegGenerated
+        cfg = load_config(cls.name, cls.config_class, experiment_defaults=cls.defaults, overrides=("model.image_size=64",))
+        runtime = dataclasses.replace(single_process_runtime(device), world_size=2, backend="nccl")
+        model = wrap_model(cls(cfg).build_model(), cfg, runtime)
+        raw = unwrap_model(model)
+        assert not any(type(m) is torch.nn.BatchNorm2d for m in raw.modules())
+        assert any(isinstance(m, torch.nn.SyncBatchNorm) for m in raw.modules())
+        x = torch.randn(4, 3, 64, 64, device=device)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            model(x).float().mean().backward()
+        assert all(p.grad is not None for p in raw.parameters())
+    finally:
+        dist.destroy_process_group()

@@ -72,7 +72,8 @@ def _run_dir(tmp_path: Path) -> Path:
     (run / "monitor" / "sstat_7.txt").write_text("JobID|MaxRSS\n7.0|2G\n")
     records = [{"step": s, "split": "train", "loss": 2.0 / s, "lr": 1e-3, "samples_per_s": 100.0 + s, "time": s}
                for s in (10, 20, 30)]
-    records.append({"step": 30, "split": "val", "loss": 0.5, "accuracy": 0.9, "time": 31})
+    records.append({"step": 30, "split": "val", "loss": 0.5, "accuracy": 0.9, "iou/skin": 0.75, "iou/hair": 0.5,
+                    "time": 31})
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return run
 
@@ -85,6 +86,8 @@ def test_report_writes_pictures_and_a_summary_with_the_right_numbers(tmp_path, c
     summary = (run / "report" / "summary.md").read_text()
     assert summary == capsys.readouterr().out
     assert "accuracy 0.9" in summary and "120 samples/s" in summary
+    assert "skin" not in summary.split("final validation:")[1].split("\n")[0]  # per-class values: a table
+    assert "## Final validation: iou\n\n| | iou |\n|---|---:|\n| skin | 0.75 |\n| hair | 0.5 |\n" in summary
     assert "node1 gpu0 92%" in summary and "node1 gpu1 25%" in summary  # means of 90,94 and 30,20
     assert "| 7.0 | 2G |" in summary
     assert "GPU utilisation below 60% on node1 gpu1" in summary

@@ -166,8 +166,14 @@ def summary_markdown(data: RunData, facts: dict, pictures: list[str]) -> str:
     lines = [f"# Run report: {data.run_dir.name}", "", f"Run dir: `{data.run_dir}`", ""]
     lines += [f"- optimizer steps logged: {facts['steps']}",
               f"- throughput (median of the logged intervals): {_fmt(facts['samples_per_s_median'])} samples/s"]
+    details: dict[str, list[tuple[str, float]]] = {}
     if "final_val" in facts:
-        lines.append("- final validation: " + ", ".join(f"{k} {_fmt(v)}" for k, v in facts["final_val"].items()))
+        top = {k: v for k, v in facts["final_val"].items() if "/" not in k}
+        lines.append("- final validation: " + ", ".join(f"{k} {_fmt(v)}" for k, v in top.items()))
+        for key, value in facts["final_val"].items():  # 'iou/skin': a table per group below
+            group, slash, name = key.partition("/")
+            if slash:
+                details.setdefault(group, []).append((name, value))
     if facts["cpu_busy_mean"]:
         lines.append("- CPU busy (mean): " + ", ".join(f"{h} {_fmt(v, '%')}" for h, v in facts["cpu_busy_mean"].items()))
     if facts["gpu_util_mean"]:
@@ -178,6 +184,9 @@ def summary_markdown(data: RunData, facts: dict, pictures: list[str]) -> str:
     notes = observations(facts)
     if notes:
         lines += ["", "## Observations", ""] + [f"- {n}" for n in notes]
+    for group, items in details.items():
+        lines += ["", f"## Final validation: {group}", "", f"| | {group} |", "|---|---:|"]
+        lines += [f"| {name} | {_fmt(value)} |" for name, value in items]
     for name, rows in data.job_stats.items():
         lines += ["", f"## {name}", "", "| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
         lines += ["| " + " | ".join(r.values()) + " |" for r in rows]
