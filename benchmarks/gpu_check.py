@@ -341,6 +341,10 @@ STAGES: list[Stage] = [
     Stage("compile-order", lambda ctx: [ctx.python, "benchmarks/compile_order.py"], 600, numbers=table_numbers),
     Stage("ddpm-throughput", lambda ctx: [ctx.python, "benchmarks/ddpm_throughput.py", "--device", "cuda", "--json",
                                           str(ctx.out / "ddpm-throughput.json")], 300, numbers=table_numbers),
+    # Generates and shards 5,000 faces first (about a minute on 16 cores), then model-only and end-to-end rows.
+    Stage("faceseg-throughput", lambda ctx: [ctx.python, "benchmarks/faceseg_throughput.py", "--device", "cuda",
+                                             "--repeats", "3", "--json", str(ctx.out / "faceseg-throughput.json")],
+          600, numbers=table_numbers),
 ]
 
 

@@ -1,0 +1,827 @@
+"""Face parsing reference experiment (faceseg_celebamask): training throughput per GPU, model-only and end-to-end
+from shards, hpctrain's loop against a plain torch loop on the same model, in one process and one run. Prints a
+table.
+
+    python benchmarks/faceseg_throughput.py [--device auto|cuda|cpu] [--batches 16 32] [--steps 50] [--warmup 10]
+                                            [--repeats 5] [--backbone resnet101] [--size 256] [--output-stride 16]
+                                            [--smoke] [--compile | --no-compile] [--e2e cpu,gpu] [--faces 5000]
+                                            [--workers -1] [--workdir DIR] [--json PATH]
+
+For each batch (the batch is the global batch: one process, no accumulation), on DeepLabV3+ (ResNet-101, output
+stride 16, ASPP and decoder 256 channels, 19 classes: 59.3M parameters at the defaults) at 256x256:
+
+  plain         a hand-written torch loop: uint8 images and label maps on the device, a permutation per epoch,
+                /255 and ImageNet normalisation, channels_last, bf16 autocast, cross-entropy in fp32 (ignore
+                index 255), SGD (Nesterov momentum 0.9, weight decay 1e-4, the reference's lr 0.01 with its
+                linear warm-up), optionally torch.compile. No augmentation.
+  hpctrain      hpctrain's own loop (hpctrain.train.loop.train) on hpctrain's context for faceseg_celebamask with
+                the experiment's own train_loss (FaceSegExperiment: normalisation, channels_last, the loss over
+                labelled pixels) and parameter groups, data.on_device=true, data.augment=false, train.precision=bf16,
+                train.channels_last=true, train.compile per --compile, model.init=scratch (the weights do not change
+                the speed; the pretrained file need not be there). The experiment has no on-device source, so the
+                benchmark subclasses it with build_datasets giving a TensorDataset of tensors like the plain loop's
+                (nothing else is changed). Heartbeat, stop vote, BatchInfo, loss window and scheduler included; no
+                validation, outputs, logging or checkpoints within the timed steps (eval.every_steps and
+                log.every_steps huge, outputs off, the checkpoint a launch saves when it ends replaced by a no-op).
+                Each timed window is one call of the loop (train.stop_at_step moved on), so it also pays the loop's
+                start (the device loader's epoch order).
+  e2e cpu-decode
+                hpctrain end-to-end from shards: the same model, batch and precision, model.source=shards, the
+                loader's workers decoding the JPEG and the label PNG, cropping (model.crop_scale), resizing and
+                flipping (data.augment=true, as the reference run), pinned host memory, the copy to the device.
+  e2e gpu-decode
+                the same with model.gpu_decode=true: the workers read bytes and decode and crop the (small) label
+                PNG; the JPEGs are decoded with nvJPEG and cropped, resized and flipped on the GPU inside the step.
+                On CUDA only by default (without CUDA, torchvision decodes on the CPU: the path runs, that is all).
+
+The face set for the end-to-end rows is generated (hpctrain.data.faces.make_faces, --faces faces at the model's
+size, masks at half of it, the standard 80/10/10 split) and sharded (`hpctrain shard --format celebamask --resize
+SIZE`, through hpctrain.data.shard_command) before anything is timed, into --workdir (kept and reused when given)
+or a temporary folder.
+
+Model-only: both loops are built and warmed up (--warmup steps; compilation happens there), then timed in
+--repeats windows of --steps steps each, plain and hpctrain alternating (plain first in even repeats, hpctrain
+first in odd ones) so that machine noise hits both; torch.cuda.synchronize only at the ends of a window.
+End-to-end: after the warm-up, the --repeats windows of one path run back to back, not alternated with other
+loops: a loader left idle while another loop runs fills its prefetch queue and would start its next window with
+batches for free. Its iterator is kept from one window to the next (as in a run, where the loader's pipeline
+starts once per epoch, not once per timed window); it starts afresh at each epoch of the generated set, so each
+epoch's pipeline fill is paid, more often than in the reference run (281 steps per epoch). Medians over the
+repeats, [min, max] beside them.
+
+Columns:
+  images/s     training images per second on this one device (batch x steps / window time).
+  ms/step      time of one optimizer step (median window).
+  GFLOP/image  forward + backward of one training step counted by torch.utils.flop_counter.FlopCounterMode on the
+               real model (uncompiled, same batch, same precision), per image. At the reference configuration
+               it counts 132.6 (44.3 forward; the backward about twice that, less the first convolution's input
+               gradient, which is not needed); the issue's rough estimate was 118. The same for every row of a
+               batch (the same model does the same work).
+  TFLOP/s      GFLOP/image x images/s.
+  % peak       TFLOP/s over the device's dense bf16 peak (hpctrain.perf.peaks); '-' where the table has none.
+  peak GiB     this loop's own resident memory between steps (weights, optimizer state, the data on the GPU)
+               plus the most torch.cuda.max_memory_allocated rose above the allocated memory at the start of one
+               of its timed windows (activations, gradients, workspaces); '-' on the CPU.
+  vs           hpctrain: its images/s over the plain loop's, median of the per-repeat ratios (the repeats' two
+               windows ran back to back). e2e: its median images/s over hpctrain model-only's at the same batch.
+
+Goals (one H100, reference configuration): model-only >= 2,000 images/s (27% of the H100 SXM's dense bf16 peak at
+132.6 GFLOP per image, 24% at the issue's 118), end-to-end >= 80% of model-only, hpctrain >= 0.97 x the plain loop;
+the table after the main one says which are met.
+
+Without CUDA (or with --device cpu) this is a smoke test: a small DeepLabV3+ (ResNet-18, ASPP and decoder 32
+channels, 64x64), fp32, batch 4, a handful of steps, a few dozen faces, no loader workers. --smoke picks these
+sizes on CUDA too. Its numbers say nothing about GPU throughput; the header says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import gc
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.optim.lr_scheduler import LambdaLR
+from torch.utils.flop_counter import FlopCounterMode
+
+from hpctrain.config.schema import RunConfig
+from hpctrain.experiments.faceseg.experiment import IGNORE_INDEX, MEAN, STD, FaceSegCelebAMask
+from hpctrain.perf.peaks import dense_peak
+from hpctrain.perf.provenance import source_commit
+
+ROOT = Path(__file__).resolve().parent.parent
+EXPERIMENT = "faceseg_celebamask"
+HUGE = 10**9
+"""Steps that are never reached: eval.every_steps, log.every_steps, train.max_steps."""
+NUM_CLASSES = 19
+MODEL_ONLY = ("plain", "hpctrain")
+E2E = {"cpu": "e2e cpu-decode", "gpu": "e2e gpu-decode"}
+"""--e2e choice -> row name."""
+SHARD_BYTES = 10**9
+"""`hpctrain shard`'s default --shard-size (1GB)."""
+REFERENCE = {"backbone": "resnet101", "size": 256, "output_stride": 16, "aspp": 256, "decoder": 256}
+SMOKE = {"backbone": "resnet18", "size": 64, "output_stride": 16, "aspp": 32, "decoder": 32}
+"""The smoke test's small DeepLabV3+."""
+REFERENCE_GFLOP = 132.6
+"""FlopCounterMode's forward + backward GFLOP per training image at the reference configuration (44.3 forward)."""
+GOAL_IMAGES_PER_S = 2000.0
+GOAL_E2E_FRACTION = 0.80
+GOAL_VS_PLAIN = 0.97
+
+
+@dataclass(frozen=True)
+class Settings:
+    device: torch.device
+    batches: tuple[int, ...]
+    steps: int
+    warmup: int
+    repeats: int
+    compile: bool
+    backbone: str
+    size: int
+    output_stride: int
+    aspp: int
+    decoder: int
+    samples: int
+    """Generated images on the device for the model-only loops (each loop its own copy)."""
+    e2e: tuple[str, ...]
+    """End-to-end paths: 'cpu' (loader decode), 'gpu' (model.gpu_decode)."""
+    faces: int
+    workers: int
+    smoke: bool
+    cudnn_benchmark: bool = False
+    workdir: str = ""
+    name: str = "cpu"
+    """The device's name (torch.cuda.get_device_name): the table's, and the key of its peak."""
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def precision(self) -> str:
+        return "bf16" if self.cuda else "fp32"
+
+    @property
+    def reference(self) -> bool:
+        """The reference configuration (what the goals are stated for)."""
+        return self.cuda and not self.smoke and (self.backbone, self.size, self.output_stride, self.aspp,
+                                                 self.decoder) == tuple(REFERENCE.values())
+
+
+@dataclass
+class Measured:
+    """One loop at one batch."""
+
+    loop: str
+    batch: int
+    seconds: list[float] = field(default_factory=list)
+    """Each timed window's wall time."""
+    resident_bytes: int = 0
+    transient_bytes: int = 0
+
+
+# ---- configuration ------------------------------------------------------------------------------------------
+
+def overrides(s: Settings, batch: int, run_dir: str, path: str = "", shards: str = "") -> list[str]:
+    """hpctrain's config for one batch: the batch is the global batch (one process, accumulation 1). path '' is
+    model-only (data on the device), 'cpu' or 'gpu' end-to-end from ``shards``."""
+    out = [
+        f"model.backbone={s.backbone}", f"model.image_size={s.size}", f"model.output_stride={s.output_stride}",
+        f"model.aspp_channels={s.aspp}", f"model.decoder_channels={s.decoder}", "model.init=scratch",
+        f"train.precision={s.precision}", "train.channels_last=true",
+        f"train.compile={'true' if s.compile else 'false'}",
+        f"train.global_batch_size={batch}", f"train.micro_batch_size={batch}", f"train.max_steps={HUGE}",
+        f"eval.every_steps={HUGE}", f"log.every_steps={HUGE}", "log.outputs_every_steps=0",
+        "log.outputs_every_epochs=0", "log.progress=off", "log.tensorboard=false", "log.plots=false",
+        "ckpt.every_steps=0", "ckpt.every_minutes=0", f"run.dir={run_dir}",
+    ]
+    if not path:
+        return out + ["data.on_device=true", "data.augment=false", "data.num_workers=0"]
+    return out + ["model.source=shards", f"model.data_root={shards}", f"model.gpu_decode={str(path == 'gpu').lower()}",
+                  "data.on_device=false", "data.augment=true", f"data.num_workers={s.workers}"]
+
+
+def load(s: Settings, batch: int, run_dir: str, path: str = "", shards: str = ""):
+    from hpctrain.train.entry import resolve
+
+    cls, cfg = resolve(EXPERIMENT, None, tuple(overrides(s, batch, run_dir, path, shards)))
+    if not issubclass(cls, FaceSegCelebAMask):
+        raise RuntimeError(f"{EXPERIMENT} resolves to {cls.__name__}, not the face-parsing experiment")
+    return cls, cfg
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_data(n: int, size: int, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """n uint8 RGB images (n x 3 x size x size) and label maps (n x size x size, classes 0..18) on ``device``:
+    random, which changes nothing of the work of a dense model."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    images = torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8, device=device, generator=g)
+    labels = torch.randint(0, NUM_CLASSES, (n, size, size), dtype=torch.uint8, device=device, generator=g)
+    return images, labels
+
+
+class OnDeviceFaceSeg(FaceSegCelebAMask):
+    """faceseg_celebamask with a TensorDataset training set (for data.on_device=true) and no validation set;
+    model, loss, parameter groups and everything else are the experiment's own."""
+
+    tensors: tuple[torch.Tensor, ...] = ()
+
+    def build_datasets(self):
+        from torch.utils.data import TensorDataset
+
+        from hpctrain.experiments.base import Datasets
+
+        return Datasets(train=TensorDataset(*self.tensors))
+
+
+# ---- the loops -----------------------------------------------------------------------------------------------
+
+class PlainLoop:
+    """What one would write by hand for the reference run on one GPU."""
+
+    def __init__(self, experiment, cfg: RunConfig, device: torch.device, compile_model: bool, samples: int) -> None:
+        t, opt = cfg.train, cfg.optim
+        self.device, self.batch_size, self.size = device, t.micro_batch_size, experiment.options.image_size
+        self.channels_last = t.channels_last
+        self.dtype = torch.bfloat16 if t.precision == "bf16" else None
+        torch.manual_seed(cfg.run.seed)
+        raw = experiment.build_model().to(device)
+        self.raw = raw.to(memory_format=torch.channels_last) if self.channels_last else raw
+        self.model = torch.compile(self.raw) if compile_model else self.raw
+        self.optimizer = torch.optim.SGD(self.raw.parameters(), lr=opt.lr, momentum=opt.momentum,
+                                         nesterov=opt.momentum > 0, weight_decay=opt.weight_decay)
+        warm = max(opt.warmup_steps, 1)
+        self.scheduler = LambdaLR(self.optimizer, lambda step: min(1.0, (step + 1) / warm))
+        self.mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1)
+        self.std = torch.tensor(STD, device=device).view(1, 3, 1, 1)
+        self.images, self.labels = device_data(samples, self.size, device, cfg.run.seed + 1)
+        self.order, self.at = torch.empty(0, dtype=torch.long), samples  # a new epoch at the first step
+
+    def autocast(self):
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        m, n = self.batch_size, len(self.images)
+        if self.at + m > n:
+            self.order, self.at = torch.randperm(n, device=self.device), 0
+        index = self.order[self.at : self.at + m]
+        self.at += m
+        x = (self.images[index].float().div_(255.0) - self.mean) / self.std
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return x, self.labels[index].long()
+
+    def loss(self, model: torch.nn.Module) -> torch.Tensor:
+        x, y = self.batch()
+        with self.autocast():
+            logits = model(x)
+        return F.cross_entropy(logits.float(), y, ignore_index=IGNORE_INDEX)
+
+    def step(self) -> None:
+        self.loss(self.model).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            self.step()
+
+    def flops_per_step(self) -> int:
+        """Forward + backward of one training step on the uncompiled model (the optimizer's elementwise work is
+        not counted: FlopCounterMode counts matrix multiplies and convolutions)."""
+        with FlopCounterMode(display=False) as counter:
+            self.loss(self.raw).backward()
+        self.optimizer.zero_grad(set_to_none=True)
+        return counter.get_total_flops()
+
+
+class _NoCheckpoint:
+    """In place of hpctrain's Checkpointer: the loop saves when a launch ends, and each timed window is a launch."""
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+class ContinuingLoader:
+    """ctx.train_loader for the end-to-end windows: hpctrain's loader, whose iterator is kept when the loop asks
+    for the batches from where the last window stopped (as one long run would go on), and started afresh
+    otherwise (a new epoch). One batch per step: the batch is the micro batch."""
+
+    def __init__(self, loader: Any, sampler: Any) -> None:
+        self.loader, self.sampler = loader, sampler
+        self._it: Iterator[Any] | None = None
+        self._at: tuple[int, int] = (-1, -1)
+        self.starts = 0
+        """How often the underlying iterator started (epochs of the generated set, and the first)."""
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def take_skipped(self) -> list[str]:
+        return self.loader.take_skipped()
+
+    def __iter__(self) -> "ContinuingLoader":
+        at = (self.sampler.epoch, self.sampler.start_step)
+        if self._it is None or at != self._at:
+            self._it, self._at = iter(self.loader), at
+            self.starts += 1
+        return self
+
+    def __next__(self) -> Any:
+        if self._it is None:
+            raise StopIteration
+        try:
+            item = next(self._it)
+        except StopIteration:
+            self._it = None
+            raise
+        self._at = (self._at[0], self._at[1] + 1)
+        return item
+
+
+class HpctrainLoop:
+    """hpctrain's context and loop, in this process: each run(n) is one call of hpctrain.train.loop.train that
+    stops n steps on (train.stop_at_step)."""
+
+    def __init__(self, experiment, cfg: RunConfig, device: torch.device, continuing: bool = False) -> None:
+        from hpctrain.dist.runtime import single_process_runtime
+        from hpctrain.train.run import build_context
+
+        self.ctx = build_context(cfg, single_process_runtime(device), experiment, config_text="", write_run_dir=False)
+        self.ctx.checkpointer = _NoCheckpoint()
+        if continuing:
+            if self.ctx.plan.grad_accum != 1:
+                raise RuntimeError("the continuing loader counts one batch a step: needs micro batch = batch")
+            self.ctx.train_loader = ContinuingLoader(self.ctx.train_loader, self.ctx.sampler)
+
+    def run(self, steps: int) -> None:
+        from hpctrain.train import loop
+
+        ctx = self.ctx
+        stop = ctx.state.step + steps
+        ctx.cfg = dataclasses.replace(ctx.cfg, train=dataclasses.replace(ctx.cfg.train, stop_at_step=stop))
+        result = loop.train(ctx)
+        if result.stop_signal or ctx.state.step != stop:
+            raise RuntimeError(f"hpctrain's loop stopped at step {ctx.state.step}, not {stop} "
+                               f"(stop signal {result.stop_signal})")
+
+
+# ---- the face set ----------------------------------------------------------------------------------------------
+
+def generate_faces(root: Path, count: int, size: int, seed: int = 0, processes: int = 1) -> Path:
+    """``count`` faces at ``size`` (masks at half of it) in the CelebAMask-HQ layout, in parts on ``processes``
+    processes (image i depends only on (seed, i), so the set is the same either way), then the split files."""
+    from hpctrain.data.faces import make_faces, write_split_files
+    from hpctrain.data.sources import celebamask
+
+    mask = max(8, size // 2)
+    if processes <= 1 or count < 200:
+        return make_faces(root, count, size, mask, seed)
+    import concurrent.futures
+    import multiprocessing
+
+    parts = min(processes * 4, count)
+    bounds = [count * i // parts for i in range(parts + 1)]
+    # spawn: this process may already hold a CUDA context, which a forked child must not inherit.
+    with concurrent.futures.ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+        jobs = [pool.submit(make_faces, root, b - a, size, mask, seed, standard_split=False, start_id=a)
+                for a, b in zip(bounds, bounds[1:]) if b > a]
+        for job in jobs:
+            job.result()
+    write_split_files(root, celebamask.image_ids(root))
+    return root
+
+
+def prepare_shards(s: Settings, workdir: Path, log: Callable[[str], None]) -> tuple[Path, dict[str, Any]]:
+    """Generated faces, sharded as `hpctrain shard SRC OUT --format celebamask --resize SIZE` writes them; reused
+    when ``workdir`` already holds them for this count and size."""
+    from hpctrain.data.shard_command import ShardRequest, shard_command
+
+    shards = workdir / "shards"
+    marker = workdir / f"ready-{s.faces}-{s.size}.json"
+    if marker.exists() and (shards / "train").is_dir():
+        return shards, json.loads(marker.read_text())
+    src = workdir / "faces"
+    shutil.rmtree(src, ignore_errors=True)
+    shutil.rmtree(shards, ignore_errors=True)
+    for old in workdir.glob("ready-*.json"):
+        old.unlink()
+    started = time.perf_counter()
+    processes = min(os.cpu_count() or 1, 16) if s.cuda else 1
+    generate_faces(src, s.faces, s.size, seed=0, processes=processes)
+    generated = time.perf_counter()
+    shard_command(ShardRequest(src, shards, "celebamask", SHARD_BYTES, resize=s.size, force=True))
+    done = time.perf_counter()
+    manifest = json.loads((shards / "train" / "manifest.json").read_text())
+    info = {"faces": s.faces, "size": s.size, "train_samples": manifest["samples"],
+            "train_bytes": sum(x["bytes"] for x in manifest["shards"]), "train_shards": len(manifest["shards"]),
+            "generate_s": round(generated - started, 1), "shard_s": round(done - generated, 1),
+            "generate_processes": processes}
+    shutil.rmtree(src, ignore_errors=True)  # the shards are what is read
+    marker.write_text(json.dumps(info) + "\n")
+    log(f"  faces: {s.faces} at {s.size}x{s.size} generated in {info['generate_s']:.1f} s ({processes} processes), "
+        f"sharded in {info['shard_s']:.1f} s: {info['train_samples']} training samples, "
+        f"{info['train_bytes'] / 1e6:.1f} MB")
+    return shards, info
+
+
+# ---- measuring -----------------------------------------------------------------------------------------------
+
+def _allocated(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    _sync(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def timed_window(run: Callable[[int], None], steps: int, device: torch.device, m: Measured) -> None:
+    base = _allocated(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    started = time.perf_counter()
+    run(steps)
+    _sync(device)
+    m.seconds.append(time.perf_counter() - started)
+    if device.type == "cuda":
+        m.transient_bytes = max(m.transient_bytes, torch.cuda.max_memory_allocated(device) - base)
+
+
+def _warm_libraries(device: torch.device) -> None:
+    """cuBLAS keeps a workspace per stream from its first call on: made here, it counts for neither loop."""
+    if device.type == "cuda":
+        a = torch.ones(16, 16, device=device)
+        a @ a
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            a @ a
+        _sync(device)
+
+
+def _release(device: torch.device, compiled: bool) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if compiled:
+        torch._dynamo.reset()  # a second batch compiles afresh, not as a dynamic-shape recompile
+
+
+def _log_window(log: Callable[[str], None], name: str, batch: int, r: int, seconds: float, steps: int) -> None:
+    log(f"  batch {batch}, repeat {r + 1}: {name} {1e3 * seconds / steps:.2f} ms/step, "
+        f"{batch * steps / seconds:,.1f} images/s")
+
+
+def measure_model_only(s: Settings, batch: int, log: Callable[[str], None]) -> tuple[dict[str, Measured], int, int]:
+    """Both model-only loops at one batch; returns (measured, FLOP per step, parameters)."""
+    measured = {name: Measured(name, batch) for name in MODEL_ONLY}
+    with tempfile.TemporaryDirectory(prefix="hpctrain-faceseg-bench-") as run_dir:
+        _, cfg = load(s, batch, run_dir)
+        _warm_libraries(s.device)
+        start = _allocated(s.device)
+        plain = PlainLoop(FaceSegCelebAMask(cfg), cfg, s.device, s.compile, s.samples)
+        params = sum(p.numel() for p in plain.raw.parameters())
+        flops = plain.flops_per_step()
+        plain.run(s.warmup)
+        after_plain = _allocated(s.device)
+        experiment = OnDeviceFaceSeg(cfg)
+        experiment.tensors = device_data(s.samples, s.size, s.device, cfg.run.seed + 1)
+        hpc = HpctrainLoop(experiment, cfg, s.device)
+        del experiment
+        hpc.run(s.warmup)
+        after_hpc = _allocated(s.device)
+        measured["plain"].resident_bytes = after_plain - start
+        measured["hpctrain"].resident_bytes = after_hpc - after_plain
+        loops = {"plain": plain.run, "hpctrain": hpc.run}
+        for r in range(s.repeats):
+            for name in MODEL_ONLY if r % 2 == 0 else MODEL_ONLY[::-1]:
+                timed_window(loops[name], s.steps, s.device, measured[name])
+                _log_window(log, name, batch, r, measured[name].seconds[-1], s.steps)
+        del plain, hpc, loops
+    _release(s.device, s.compile)
+    return measured, flops, params
+
+
+def measure_e2e(s: Settings, batch: int, path: str, shards: Path, log: Callable[[str], None]) -> tuple[Measured, int]:
+    """hpctrain from the shards at one batch, one decode path; returns (measured, loader starts)."""
+    name = E2E[path]
+    m = Measured(name, batch)
+    with tempfile.TemporaryDirectory(prefix="hpctrain-faceseg-bench-") as run_dir:
+        cls, cfg = load(s, batch, run_dir, path, str(shards))
+        _warm_libraries(s.device)
+        start = _allocated(s.device)
+        hpc = HpctrainLoop(cls(cfg), cfg, s.device, continuing=True)
+        hpc.run(s.warmup)
+        m.resident_bytes = _allocated(s.device) - start
+        for r in range(s.repeats):
+            timed_window(hpc.run, s.steps, s.device, m)
+            _log_window(log, name, batch, r, m.seconds[-1], s.steps)
+        starts = hpc.ctx.train_loader.starts
+        del hpc
+    _release(s.device, s.compile)
+    return m, starts
+
+
+# ---- reporting -----------------------------------------------------------------------------------------------
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}, {max(values):{fmt}}]"
+
+
+def rates(m: Measured, steps: int) -> list[float]:
+    """Images per second of each timed window."""
+    return [m.batch * steps / t for t in m.seconds]
+
+
+def paired_ratio(a: list[float], b: list[float]) -> float:
+    """Median of the per-repeat ratios a[i] / b[i] (windows that ran back to back)."""
+    if not a or len(a) != len(b):
+        raise ValueError(f"paired_ratio needs two lists of one length, got {len(a)} and {len(b)}")
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
+def median_ratio(a: list[float], b: list[float]) -> float:
+    """median(a) / median(b) (windows that did not run side by side)."""
+    return statistics.median(a) / statistics.median(b)
+
+
+def peak_fraction(tflops: float, peak: Any, precision: str) -> float | None:
+    """tflops over the dense peak when the peak is of the precision measured, else None."""
+    if peak is None or peak.dtype != precision or not peak.tflops:
+        return None
+    return tflops / peak.tflops
+
+
+def rows(s: Settings, results: list[tuple[dict[str, Measured], int]]) -> list[dict[str, Any]]:
+    """One row per loop and batch, as plain numbers (the JSON and the table). ``results``: per batch, its
+    measured loops by name (plain and hpctrain first) and the FLOP of one step."""
+    peak = dense_peak(s.name) if s.cuda else None
+    out = []
+    for measured, flops in results:
+        plain_rates, hpc_rates = rates(measured["plain"], s.steps), rates(measured["hpctrain"], s.steps)
+        for name, m in measured.items():
+            r = rates(m, s.steps)
+            per_image = flops / m.batch
+            tflops = statistics.median(r) * per_image / 1e12
+            if name == "plain":
+                vs, vs_what = None, ""
+            elif name == "hpctrain":
+                vs, vs_what = paired_ratio(r, plain_rates), "plain"
+            else:
+                vs, vs_what = median_ratio(r, hpc_rates), "model-only"
+            out.append({
+                "loop": name, "batch": m.batch, "steps": s.steps, "repeats": s.repeats,
+                "window_s": m.seconds, "images_per_s": r, "images_per_s_median": statistics.median(r),
+                "ms_per_step_median": 1e3 * statistics.median(m.seconds) / s.steps,
+                "flop_per_step": flops, "gflop_per_image": per_image / 1e9, "tflops_median": tflops,
+                "peak_fraction": peak_fraction(tflops, peak, s.precision) if s.cuda else None,
+                "peak_memory_bytes": m.resident_bytes + m.transient_bytes if s.cuda else None,
+                "resident_bytes": m.resident_bytes if s.cuda else None,
+                "vs": vs, "vs_what": vs_what,
+            })
+    return out
+
+
+def goals(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's goals per batch: [{goal, batch, value, met}] (value None: the row was not measured)."""
+    by = {(r["loop"], r["batch"]): r for r in table}
+    out = []
+    for batch in sorted({r["batch"] for r in table}):
+        hpc = by.get(("hpctrain", batch))
+        checks = [(f"model-only (hpctrain) >= {GOAL_IMAGES_PER_S:,.0f} images/s",
+                   hpc["images_per_s_median"] if hpc else None, GOAL_IMAGES_PER_S),
+                  (f"hpctrain >= {GOAL_VS_PLAIN:.2f} x plain", hpc["vs"] if hpc else None, GOAL_VS_PLAIN)]
+        for name in E2E.values():
+            row = by.get((name, batch))
+            checks.append((f"{name} >= {GOAL_E2E_FRACTION:.0%} of model-only", row["vs"] if row else None,
+                           GOAL_E2E_FRACTION))
+        out += [{"goal": goal, "batch": batch, "value": value, "met": None if value is None else value >= bound}
+                for goal, value, bound in checks]
+    return out
+
+
+def header(s: Settings, params: int, data: dict[str, Any] | None) -> list[str]:
+    torch_text = f"torch {torch.__version__}" + (f" (CUDA {torch.version.cuda})" if s.cuda else "")
+    model = (f"DeepLabV3+ {s.backbone} {params / 1e6:.2f}M parameters, output stride {s.output_stride}, ASPP "
+             f"{s.aspp} / decoder {s.decoder} channels, {NUM_CLASSES} classes, {s.size}x{s.size}")
+    mode = ("bf16 autocast" if s.cuda else "fp32") + ", channels_last, " + ("torch.compile" if s.compile else "eager")
+    if s.cuda:
+        mode += f", cudnn.benchmark {'on' if s.cudnn_benchmark else 'off'}"
+    lines = [f"# Face parsing throughput ({EXPERIMENT}): {s.name} | {torch_text} | "
+             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC | commit {source_commit(ROOT) or '-'}",
+             f"# {model}; {mode}; SGD (Nesterov momentum 0.9); one process, batch = global batch; {s.steps} steps x "
+             f"{s.repeats} repeats after {s.warmup} warm-up; median [min, max]",
+             f"# model-only: {s.samples:,} generated uint8 images + label maps on the device, no augmentation; "
+             "plain/hpctrain windows alternating"]
+    if data is not None:
+        workers = data.get("workers")
+        epoch = ", ".join(f"{data['train_samples'] // b} at batch {b}" for b in s.batches)
+        lines.append(f"# end-to-end: {data['faces']:,} generated faces (hpctrain.data.faces) sharded at --resize "
+                     f"{s.size}: {data['train_samples']:,} training samples, {data['train_bytes'] / 1e6:.1f} MB; "
+                     f"{workers} loader worker(s), crop + flip augmentation; a path's windows back to back, its "
+                     f"loader going on across them and starting afresh each epoch (steps per epoch: {epoch})")
+    if s.smoke:
+        lines.insert(0, f"# {'CPU ' if not s.cuda else ''}SMOKE TEST: a small model, "
+                        f"{'fp32' if not s.cuda else 'bf16'}, a handful of steps; these numbers say nothing about "
+                        "GPU throughput at the reference configuration")
+    if data is not None and "gpu" in s.e2e and not s.cuda:
+        lines.append("# e2e gpu-decode without CUDA: torchvision decodes the JPEGs on the CPU (the path runs; its "
+                     "speed means nothing)")
+    return lines
+
+
+def _gib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**30:.2f}"
+
+
+def _vs(r: dict[str, Any]) -> str:
+    return "reference" if r["vs"] is None else f"{r['vs']:.3f} of {r['vs_what']}"
+
+
+def render(s: Settings, head: list[str], table: list[dict[str, Any]], goal_rows: list[dict[str, Any]]) -> str:
+    peak = dense_peak(s.name) if s.cuda else None
+    if peak is not None and peak.dtype == s.precision:
+        peak_text = f"of the {peak.gpu}'s dense bf16 peak, {peak.tflops:g} TFLOP/s (hpctrain.perf.peaks)"
+    elif peak is not None:
+        peak_text = f"not compared: the table's peak for the {peak.gpu} is {peak.dtype}, the runs are {s.precision}"
+    else:
+        peak_text = "no dense peak known for this device" if s.cuda else "no peak on a CPU"
+    columns = "| loop, batch | images/s | ms/step | GFLOP/image | TFLOP/s | % peak | peak GiB | vs |"
+    lines = head + ["", columns, "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in table:
+        frac = "-" if r["peak_fraction"] is None else f"{100 * r['peak_fraction']:.1f}%"
+        fmt = ",.0f" if r["images_per_s_median"] >= 100 else ",.1f"
+        lines.append(f"| {r['loop']}, batch {r['batch']} | {_spread(r['images_per_s'], fmt)} | "
+                     f"{r['ms_per_step_median']:.2f} | {r['gflop_per_image']:.2f} | {r['tflops_median']:.3g} | "
+                     f"{frac} | {_gib(r['peak_memory_bytes'])} | {_vs(r)} |")
+    lines += ["", f"% peak: {peak_text}. GFLOP/image: FlopCounterMode, forward + backward "
+                  f"({REFERENCE_GFLOP:g} at the reference configuration).", ""]
+    batches = sorted({g["batch"] for g in goal_rows})
+    if s.reference:
+        note = f"on {s.name}; the goals are stated for one H100"
+    else:
+        note = "not the reference configuration on a GPU: for the record only"
+    lines += [f"Goals (one H100, reference configuration; {note}):", "",
+              "| goal | " + " | ".join(f"batch {b}" for b in batches) + " |",
+              "|---|" + "---:|" * len(batches)]
+    for goal in dict.fromkeys(g["goal"] for g in goal_rows):
+        cells = []
+        for b in batches:
+            g = next((x for x in goal_rows if x["goal"] == goal and x["batch"] == b), None)
+            if g is None or g["value"] is None:
+                cells.append("-")
+            else:
+                value = f"{g['value']:,.0f}" if g["value"] >= 100 else f"{g['value']:.3f}"
+                cells.append(f"{'met' if g['met'] else 'missed'}: {value}")
+        lines.append(f"| {goal} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# ---- main ----------------------------------------------------------------------------------------------------
+
+def settings(args: argparse.Namespace) -> Settings:
+    if args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    elif args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device visible")
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    cuda = device.type == "cuda"
+    smoke = bool(args.smoke) or not cuda
+    model = dict(SMOKE if smoke else REFERENCE)
+    for key in model:
+        if getattr(args, key) is not None:
+            model[key] = getattr(args, key)
+    batches = tuple(args.batches) if args.batches else ((16, 32) if not smoke else ((8,) if cuda else (4,)))
+    if not batches or min(batches) < 1:
+        raise SystemExit(f"--batches {args.batches}: give positive batch sizes, e.g. 16 32")
+    steps = args.steps if args.steps is not None else (50 if not smoke else (5 if cuda else 2))
+    warmup = args.warmup if args.warmup is not None else (10 if not smoke else (2 if cuda else 1))
+    repeats = args.repeats if args.repeats is not None else (5 if not smoke else 2)
+    if steps < 1 or warmup < 1 or repeats < 1:
+        raise SystemExit("--steps, --warmup and --repeats must be at least 1")
+    samples = args.samples if args.samples is not None else (2048 if not smoke else 4 * max(batches))
+    if samples < max(batches):
+        raise SystemExit(f"--samples {samples} is fewer than the largest batch, {max(batches)}")
+    e2e = tuple(dict.fromkeys(p.strip() for p in args.e2e.split(",") if p.strip())) if args.e2e is not None \
+        else (("cpu", "gpu") if cuda else ("cpu",))
+    if e2e == ("none",):
+        e2e = ()
+    if any(p not in E2E for p in e2e):
+        raise SystemExit(f"--e2e {args.e2e!r}: a comma-separated list of {', '.join(E2E)}, or none")
+    faces = args.faces if args.faces is not None else (5000 if not smoke else 10 * max(batches))
+    if e2e and math.floor(0.8 * faces) < max(batches):  # the standard split trains on 80%
+        raise SystemExit(f"--faces {faces}: the training split (80%) must hold at least one batch of {max(batches)}")
+    workers = args.workers if args.workers is not None else (-1 if cuda else 0)
+    if model["size"] < 32 or model["output_stride"] not in (8, 16):
+        raise SystemExit("--size must be at least 32 and --output-stride 8 or 16")
+    return Settings(device, batches, steps, warmup, repeats, bool(args.compile), model["backbone"], model["size"],
+                    model["output_stride"], model["aspp"], model["decoder"], samples, e2e, faces, workers, smoke,
+                    bool(args.cudnn_benchmark) and cuda, args.workdir, device_name(device))
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="auto: CUDA when there is a device, else the CPU smoke test")
+    p.add_argument("--batches", type=int, nargs="+", default=None, metavar="B",
+                   help="batch sizes per GPU (default 16 32 on CUDA, 4 for the CPU smoke test)")
+    p.add_argument("--steps", type=int, default=None, help="steps per timed window (default 50 on CUDA, 2 on CPU)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps per loop (default 10 on CUDA, 1 on CPU)")
+    p.add_argument("--repeats", type=int, default=None, help="timed windows per loop (default 5 on CUDA, 2 on CPU)")
+    p.add_argument("--smoke", action="store_true", help="the small smoke-test model and sizes, also on CUDA")
+    p.add_argument("--backbone", choices=("resnet18", "resnet34", "resnet50", "resnet101"), default=None,
+                   help="default resnet101 (resnet18 for the smoke test)")
+    p.add_argument("--size", type=int, default=None, help="image side (default 256; 64 for the smoke test)")
+    p.add_argument("--output-stride", dest="output_stride", type=int, choices=(8, 16), default=None,
+                   help="backbone output stride (default 16)")
+    p.add_argument("--aspp", type=int, default=None, help="ASPP channels (default 256; 32 for the smoke test)")
+    p.add_argument("--decoder", type=int, default=None, help="decoder channels (default 256; 32 for the smoke test)")
+    p.add_argument("--samples", type=int, default=None,
+                   help="generated images on the device for the model-only loops (default 2048)")
+    p.add_argument("--e2e", default=None, metavar="PATHS",
+                   help="end-to-end paths: cpu (loader decode), gpu (model.gpu_decode=true, nvJPEG), comma-separated, "
+                        "or none (default cpu,gpu on CUDA, cpu without)")
+    p.add_argument("--faces", type=int, default=None,
+                   help="generated faces for the end-to-end rows, 80%% of them for training (default 5000; 40 for "
+                        "the CPU smoke test)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="data.num_workers for the end-to-end rows (default -1: hpctrain's choice; 0 on CPU)")
+    p.add_argument("--workdir", default="", metavar="DIR",
+                   help="keep the generated, sharded faces here and reuse them (default: a temporary folder)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                   help="torch.compile the model in every loop (train.compile for hpctrain); compilation falls in "
+                        "the warm-up (default: eager)")
+    p.add_argument("--cudnn-benchmark", dest="cudnn_benchmark", action=argparse.BooleanOptionalAction, default=False,
+                   help="torch.backends.cudnn.benchmark for every loop (default off, as hpctrain runs)")
+    p.add_argument("--json", default="", metavar="PATH", help="also write the numbers as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parser().parse_args(argv)
+    s = settings(args)
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    cudnn_before = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = s.cudnn_benchmark
+    with contextlib.ExitStack() as stack:
+        data = shards = None
+        if s.e2e:  # before anything is timed (and before CUDA is touched: the face generators are processes)
+            workdir = Path(s.workdir) if s.workdir else Path(stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="hpctrain-faceseg-faces-")))
+            workdir.mkdir(parents=True, exist_ok=True)
+            shards, data = prepare_shards(s, workdir, log)
+        results, params, starts = [], 0, {}
+        try:
+            for batch in s.batches:
+                measured, flops, params = measure_model_only(s, batch, log)
+                for path in s.e2e:
+                    measured[E2E[path]], starts[f"{E2E[path]}, batch {batch}"] = measure_e2e(s, batch, path, shards,
+                                                                                             log)
+                results.append((measured, flops))
+        finally:
+            torch.backends.cudnn.benchmark = cudnn_before
+    if data is not None:
+        data = {**data, "workers": _workers(s), "loader_starts": starts}
+    table = rows(s, results)
+    goal_rows = goals(table)
+    head = header(s, params, data)
+    print(render(s, head, table, goal_rows), end="", flush=True)
+    peak = dense_peak(s.name) if s.cuda else None
+    report = {"header": head, "device": s.name, "torch": torch.__version__,
+              "cuda": torch.version.cuda if s.cuda else None,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "commit": source_commit(ROOT) or "-", "smoke": s.smoke, "reference": s.reference,
+              "compile": s.compile, "cudnn_benchmark": s.cudnn_benchmark, "precision": s.precision,
+              "model": {"backbone": s.backbone, "size": s.size, "output_stride": s.output_stride, "aspp": s.aspp,
+                        "decoder": s.decoder, "parameters": params},
+              "samples": s.samples, "data": data,
+              "peak": dataclasses.asdict(peak) if peak is not None else None, "rows": table, "goals": goal_rows}
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+def _workers(s: Settings) -> int:
+    """The loader workers the end-to-end rows had (hpctrain's choice for -1)."""
+    if s.workers >= 0:
+        return s.workers
+    from hpctrain.data.loader import auto_workers
+    from hpctrain.dist.runtime import single_process_runtime
+
+    return auto_workers(single_process_runtime(s.device))
+
+
+if __name__ == "__main__":
+    main()
