@@ -101,14 +101,15 @@ def test_faceseg_from_shards_with_nvjpeg_bf16_channels_last_and_compile(tmp_path
     assert result.returncode == 0, result.output
     records = read_jsonl(run_dir / "metrics.jsonl")
     losses = [r["loss"] for r in records if r["split"] == "train"]
-    assert len(losses) == 30 and losses[-1] < losses[0]
+    assert len(losses) == 30 and sum(losses[-5:]) < 0.8 * sum(losses[:5])  # means of five: single batches are noisy
     val = [r for r in records if r["split"] == "val"][-1]
     assert 0 < val["miou"] < 1 and (run_dir / "images" / "comparison" / "step_0000030.png").is_file()
 
 
 def test_sync_batchnorm_converts_and_trains_on_cuda(tmp_path: Path):
-    """train.sync_batchnorm=auto on a GPU process group converts every BatchNorm of DeepLabV3+ (one-rank NCCL
-    group: the conversion and SyncBatchNorm's CUDA forward/backward; the cross-GPU statistics need 2 GPUs)."""
+    """train.sync_batchnorm=auto on a GPU process group converts every BatchNorm of DeepLabV3+, and the converted
+    model trains under bf16 autocast. Only the conversion is SyncBatchNorm's: on a one-rank group its forward takes
+    plain batch norm (torch syncs only with world size > 1); the cross-GPU statistics need 2 GPUs."""
     import dataclasses
 
     import torch.distributed as dist

@@ -156,10 +156,40 @@ def test_initial_weights_load_only_on_a_fresh_start(tmp_path: Path, monkeypatch)
     exp = experiment("model.init=imagenet", f"run.dir={tmp_path}")
     calls = []
     monkeypatch.setattr(type(exp), "init_weights", lambda self, model: calls.append(model) or "loaded")
-    runtime = SimpleNamespace(is_main=True)
+    runtime = SimpleNamespace(is_main=True, distributed=False)
     monkeypatch.setattr(run, "select_checkpoint", lambda *a, **k: (object(), []))  # a checkpoint to resume
     run._init_weights(exp, "model", exp.cfg, runtime)
     assert calls == []
     monkeypatch.setattr(run, "select_checkpoint", lambda *a, **k: (None, []))  # a fresh start
     run._init_weights(exp, "model", exp.cfg, runtime)
     assert calls == ["model"]
+    # Only rank 0 reads the file (DDP's constructor broadcasts its weights).
+    run._init_weights(exp, "model", exp.cfg, SimpleNamespace(is_main=False, distributed=False))
+    assert calls == ["model"]
+    # Rank 0's error reaches the caller as a UserError every rank raises.
+    monkeypatch.setattr(type(exp), "init_weights", lambda self, model: (_ for _ in ()).throw(UserError("no file", "put it")))
+    with pytest.raises(UserError, match="no file") as err:
+        run._init_weights(exp, "model", exp.cfg, runtime)
+    assert err.value.hint == "put it" and getattr(err.value, "on_every_rank", False)
+
+
+def test_predict_reads_8_and_16_bit_images_and_refuses_folders(tmp_path: Path):
+    from PIL import Image
+
+    from hpctrain.train.predict import read_image
+
+    Image.fromarray(np.full((5, 7, 3), 200, np.uint8)).save(tmp_path / "rgb.png")
+    Image.fromarray(np.full((5, 7), 40000, np.uint16)).save(tmp_path / "deep.png")
+    rgb, deep = read_image(tmp_path / "rgb.png"), read_image(tmp_path / "deep.png")
+    assert rgb.shape == deep.shape == (3, 5, 7) and rgb.dtype == deep.dtype == torch.uint8
+    assert int(rgb[0, 0, 0]) == 200 and int(deep[0, 0, 0]) == 40000 >> 8
+    with pytest.raises(UserError, match="is a folder"):
+        read_image(tmp_path)
+    with pytest.raises(UserError, match="does not exist"):
+        read_image(tmp_path / "none.jpg")
+
+
+def test_missing_generated_faces_say_how_to_make_them(tmp_path: Path):
+    with pytest.raises(UserError, match="no generated faces") as err:
+        experiment(f"model.data_root={tmp_path / 'faces'}").build_datasets()
+    assert "hpctrain synth faces" in err.value.hint

@@ -68,6 +68,13 @@ class EncodedBatch:
     rest: list[Any]
     """The other fields, collated (e.g. labels)."""
 
+    def pin_memory(self) -> "EncodedBatch":
+        """Called by the DataLoader with pin_memory: the other fields (labels) are pinned, so their copy to the GPU
+        is asynchronous; the encoded bytes stay as they are (nvJPEG reads them from the host)."""
+        from torch.utils.data._utils.pin_memory import pin_memory
+
+        return EncodedBatch(self.data, self.crops, pin_memory(self.rest))
+
     def decode(self, device: torch.device, size: int) -> torch.Tensor:
         """N x 3 x size x size float in [0, 1] on ``device``."""
         return crop_resize_flip(decode_images(self.data, device), self.crops, size)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -11,6 +13,8 @@ from hpctrain.config.schema import RunConfig
 from hpctrain.dist.runtime import Runtime
 from hpctrain.errors import UserError, on_every_rank
 
+log = logging.getLogger("hpctrain")
+
 
 def wrap_model(model: nn.Module, cfg: RunConfig, runtime: Runtime) -> nn.Module:
     """The model to train with. Move before wrapping: DDP registers its hooks on the
@@ -18,6 +22,10 @@ def wrap_model(model: nn.Module, cfg: RunConfig, runtime: Runtime) -> nn.Module:
     if use_sync_batchnorm(model, cfg.train.sync_batchnorm, runtime):
         # Before DDP (which must see the final modules); same parameters and buffers, so checkpoints load either way.
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        if cfg.train.compile and runtime.is_main:
+            log.warning("train.compile with SyncBatchNorm: torch.compile breaks its graph at every SyncBatchNorm "
+                        "(a collective in the forward), so little is compiled; measure both, or set "
+                        "train.sync_batchnorm=off (per-GPU statistics) to compile the whole model")
     model = model.to(runtime.device)
     if cfg.train.channels_last:
         model = model.to(memory_format=torch.channels_last)

@@ -16,7 +16,7 @@ from hpctrain.config.schema import RunConfig
 from hpctrain.data.device_loader import DeviceLoader, dataset_tensors
 from hpctrain.data.loader import build_loader
 from hpctrain.data.sampler import EvalBatchSampler, StepBatchSampler
-from hpctrain.dist.collectives import barrier
+from hpctrain.dist.collectives import barrier, broadcast_object
 from hpctrain.dist.env import fault_injection_spec, stdout_is_terminal, under_hpctrain_agent
 from hpctrain.dist.runtime import Runtime
 from hpctrain.dist.wrap import unwrap_model, wrap_model
@@ -106,20 +106,27 @@ def build_context(
 
 def _init_weights(experiment: Experiment, model: torch.nn.Module, cfg: RunConfig, runtime: Runtime) -> None:
     """The experiment's pretrained weights, when this run starts fresh (a resumed one gets its weights from the
-    checkpoint, and must not need the pretrained file). Every rank loads the same file: DDP would broadcast rank
-    0's weights anyway, and a one-process run must start from the same ones."""
+    checkpoint, and must not need the pretrained file). Rank 0 decides and loads; DDP's constructor then
+    broadcasts its parameters and buffers to every rank, so the file is read once, not by every process of 64
+    nodes, and need only be where rank 0 runs. The verdict (or rank 0's error) goes to every rank, so all stop
+    with the same message instead of some waiting in DDP's first broadcast for a rank that failed."""
     if type(experiment).init_weights is Experiment.init_weights:
         return
-    try:
-        chosen, _ = select_checkpoint(Path(cfg.run_dir) / "checkpoints", cfg.ckpt.resume, cfg.experiment,
-                                      verify_checksums=False)
-        if chosen is not None:
-            return
-        text = experiment.init_weights(model)
-    except UserError as err:
-        raise on_every_rank(err) from None
-    if text and runtime.is_main:
-        log.info("initial weights: %s", text)
+    verdict: tuple[str, str, str] = ("ok", "", "")
+    if runtime.is_main:
+        try:
+            chosen, _ = select_checkpoint(Path(cfg.run_dir) / "checkpoints", cfg.ckpt.resume, cfg.experiment,
+                                          verify_checksums=False)
+            if chosen is None:
+                verdict = ("loaded", experiment.init_weights(model) or "", "")
+        except UserError as err:
+            verdict = ("error", str(err.args[0]), err.hint)
+    if runtime.distributed:
+        verdict = broadcast_object(verdict, runtime)
+    if verdict[0] == "error":
+        raise on_every_rank(UserError(verdict[1], verdict[2]))
+    if verdict[0] == "loaded" and verdict[1] and runtime.is_main:
+        log.info("initial weights: %s", verdict[1])
 
 
 def _train_loader(cfg: RunConfig, runtime: Runtime, data: Datasets, sampler: StepBatchSampler):

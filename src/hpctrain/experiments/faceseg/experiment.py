@@ -86,8 +86,17 @@ class FaceSegExperiment(Experiment):
         super().__init__(cfg)
         _check_options(self.options)
         self._val: Any = None
-        weights = self.options.class_weights
-        self._weights = torch.tensor(weights, dtype=torch.float32) if weights else None
+        self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+
+    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(mean, std, class weights or None) on ``device``, made once: a torch.tensor(..., device=cuda) or a
+        .to(cuda) per step is a blocking copy that synchronises the GPU every step."""
+        if device not in self._constants:
+            weights = self.options.class_weights
+            self._constants[device] = (
+                torch.tensor(MEAN, device=device).view(1, 3, 1, 1), torch.tensor(STD, device=device).view(1, 3, 1, 1),
+                torch.tensor(weights, dtype=torch.float32, device=device) if weights else None)
+        return self._constants[device]
 
     def build_model(self) -> nn.Module:
         from hpctrain.experiments.faceseg.model import DeepLabV3Plus
@@ -105,6 +114,10 @@ class FaceSegExperiment(Experiment):
         from hpctrain.experiments.faceseg.data import build
 
         datasets = build(self.options, self.cfg.data)
+        if datasets.val is None or len(datasets.val) == 0:
+            raise UserError(f"no validation images in {self.options.data_root}",
+                            "face parsing reports its mIoU on the validation split: use a set with a val split "
+                            "(hpctrain synth faces writes one; 10% of the images).")
         self._val = datasets.val
         return datasets
 
@@ -128,8 +141,7 @@ class FaceSegExperiment(Experiment):
             labels = labels.to(device, non_blocking=True)
         else:
             images, labels = batch[0].float().div_(255.0), batch[1]
-        mean = torch.tensor(MEAN, device=images.device).view(1, 3, 1, 1)
-        std = torch.tensor(STD, device=images.device).view(1, 3, 1, 1)
+        mean, std, _ = self._on(images.device)
         images = (images - mean) / std
         if self.cfg.train.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
@@ -138,16 +150,17 @@ class FaceSegExperiment(Experiment):
     def _pixel_losses(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         images, labels = self._inputs(batch, next(model.parameters()).device)
         logits = model(images)
-        weight = self._weights.to(logits.device) if self._weights is not None else None
+        weight = self._on(logits.device)[2]
         losses = F.cross_entropy(logits.float(), labels, weight=weight, ignore_index=IGNORE_INDEX, reduction="none")
         return losses, logits, labels
 
     def _pixel_weights(self, labels: torch.Tensor) -> torch.Tensor:
         """Per pixel, the class weight (1 unweighted); 0 for ignored pixels: the denominator of a weighted mean."""
         valid = labels != IGNORE_INDEX
-        if self._weights is None:
+        weights = self._on(labels.device)[2]
+        if weights is None:
             return valid.float()
-        return torch.where(valid, self._weights.to(labels.device)[labels.clamp(0, len(CLASSES) - 1)], 0.0)
+        return torch.where(valid, weights[labels.clamp(0, len(CLASSES) - 1)], 0.0)
 
     def train_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         # Cross-entropy's own mean (weighted by class weights, over labelled pixels), written out: reduction="mean"
@@ -160,7 +173,8 @@ class FaceSegExperiment(Experiment):
         return {
             "loss_sum": losses.sum(),
             "count": self._pixel_weights(labels).sum(),
-            "confusion": confusion_matrix(logits.argmax(1), labels, len(CLASSES), IGNORE_INDEX),
+            # argmax of float32 logits: bf16 ties would go to the lower class and move the mIoU a little.
+            "confusion": confusion_matrix(logits.float().argmax(1), labels, len(CLASSES), IGNORE_INDEX),
         }
 
     def metrics(self, totals: Mapping[str, Any]) -> dict[str, float]:
@@ -179,8 +193,7 @@ class FaceSegExperiment(Experiment):
             size = self.options.image_size
             x = F.interpolate(image[None].float(), size=(size, size), mode="bilinear", align_corners=False,
                               antialias=True).div_(255.0)
-            mean = torch.tensor(MEAN, device=x.device).view(1, 3, 1, 1)
-            std = torch.tensor(STD, device=x.device).view(1, 3, 1, 1)
+            mean, std, _ = self._on(x.device)
             logits = model((x - mean) / std).float()
             logits = F.interpolate(logits, size=tuple(image.shape[-2:]), mode="bilinear", align_corners=False)
             out.append(logits.argmax(1)[0])
@@ -257,6 +270,17 @@ class FaceSegGenerated(FaceSegExperiment):
     """ResNet-18 DeepLabV3+ at 128x128 on generated faces, from scratch: trains on 2 CPU cores in minutes."""
 
     name = "faceseg"
+
+    def build_datasets(self) -> Datasets:
+        from pathlib import Path
+
+        root = Path(self.options.data_root)
+        if self.options.source == "celebamask" and not root.exists():
+            raise UserError(f"no generated faces at {root}",
+                            f"generate them: hpctrain synth faces {root} --count 3000 (about 45 s), or set "
+                            "model.data_root.")
+        return super().build_datasets()
+
     defaults = {
         "model.source": "celebamask",
         "model.data_root": "data/faces",
@@ -288,9 +312,10 @@ def _check_options(o: FaceSegOptions) -> None:
     lo, hi = o.crop_scale
     if not 0 < lo <= hi <= 1:
         raise UserError(f"model.crop_scale={list(o.crop_scale)} is not 0 < low <= high <= 1", "e.g. [0.75, 1.0].")
-    if o.class_weights and (len(o.class_weights) != len(CLASSES) or any(w < 0 or not math.isfinite(w) for w in o.class_weights)):
+    if o.class_weights and (len(o.class_weights) != len(CLASSES) or sum(o.class_weights) <= 0
+                            or any(w < 0 or not math.isfinite(w) for w in o.class_weights)):
         raise UserError(f"model.class_weights has {len(o.class_weights)} values; it needs {len(CLASSES)} non-negative "
-                        f"ones, in the order {', '.join(CLASSES)}", "or leave it empty for an unweighted loss.")
+                        f"ones (not all 0), in the order {', '.join(CLASSES)}", "or leave it empty for an unweighted loss.")
     if o.backbone_lr_scale <= 0:
         raise UserError(f"model.backbone_lr_scale={o.backbone_lr_scale} must be positive",
                         "e.g. 0.1; freezing the backbone is not an option here.")
