@@ -7,8 +7,10 @@ import contextlib
 import functools
 import os
 import random
+import select
 import signal
 import threading
+import time
 from multiprocessing import resource_tracker
 from typing import Any, Callable, Iterator, NamedTuple
 
@@ -221,6 +223,27 @@ def guard_stop_signals(_worker_id: int, rank_pid: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started below inherit the mask
     threading.Thread(target=_sigterm_from, args=(rank_pid,), name="hpctrain-sigterm", daemon=True).start()
+    threading.Thread(target=_exit_with, args=(rank_pid,), name="hpctrain-rank-watch", daemon=True).start()
+
+
+def _exit_with(rank_pid: int) -> None:
+    """End this worker when its rank is gone. torch's own watchdog compares the worker's parent with the one it
+    started under, which with forkserver is the server, not the rank: a rank killed mid-run (torchrun's SIGTERM
+    after a peer failed) left its workers, and through them the server (each worker holds the server's keep-alive
+    pipe), running for good, holding the job's stdout open (seen in CI as a finished run that never hit EOF)."""
+    try:
+        fd = os.pidfd_open(rank_pid)  # readable once the process has exited; immune to pid reuse
+    except (AttributeError, OSError):
+        while True:  # no pidfd (old kernel): poll
+            time.sleep(1.0)
+            try:
+                os.kill(rank_pid, 0)
+            except ProcessLookupError:
+                os._exit(1)
+            except PermissionError:
+                pass
+    select.select([fd], [], [])
+    os._exit(1)
 
 
 def _sigterm_from(rank_pid: int) -> None:
