@@ -54,7 +54,6 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import gc
 import json
 import statistics
 import sys
@@ -74,6 +73,10 @@ from hpctrain.experiments.ddpm.diffusion import GaussianDiffusion
 from hpctrain.perf.peaks import dense_peak
 from hpctrain.perf.provenance import source_commit
 from hpctrain.train.ema import EMA
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is no package: the shared helpers beside us
+from throughput_common import (HpctrainLoop, allocated, device_name, gib, release, spread, sync,  # noqa: E402
+                               timed_window, warm_libraries)
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPERIMENT = "ddpm_cifar10"
@@ -143,11 +146,6 @@ def load(s: Settings, micro: int, run_dir: str):
     from hpctrain.train.entry import resolve
 
     return resolve(EXPERIMENT, None, tuple(overrides(s, micro, run_dir)))
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # ---- the two loops -------------------------------------------------------------------------------------------
@@ -227,90 +225,23 @@ class PlainLoop:
         return counter.get_total_flops()
 
 
-class _NoCheckpoint:
-    """In place of hpctrain's Checkpointer: the loop saves when a launch ends, and each timed window is a launch."""
-
-    def save(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-
-class HpctrainLoop:
-    """hpctrain's context and loop, in this process: each run(n) is one call of hpctrain.train.loop.train that
-    stops n steps on (train.stop_at_step)."""
-
-    def __init__(self, cls, cfg: RunConfig, device: torch.device) -> None:
-        from hpctrain.dist.runtime import single_process_runtime
-        from hpctrain.train.run import build_context
-
-        self.ctx = build_context(cfg, single_process_runtime(device), cls(cfg), config_text="", write_run_dir=False)
-        self.ctx.checkpointer = _NoCheckpoint()
-
-    def run(self, steps: int) -> None:
-        from hpctrain.train import loop
-
-        ctx = self.ctx
-        stop = ctx.state.step + steps
-        ctx.cfg = dataclasses.replace(ctx.cfg, train=dataclasses.replace(ctx.cfg.train, stop_at_step=stop))
-        result = loop.train(ctx)
-        if result.stop_signal or ctx.state.step != stop:
-            raise RuntimeError(f"hpctrain's loop stopped at step {ctx.state.step}, not {stop} "
-                               f"(stop signal {result.stop_signal})")
-
-
 # ---- measuring -----------------------------------------------------------------------------------------------
-
-def _allocated(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 0
-    _sync(device)
-    return torch.cuda.memory_allocated(device)
-
-
-def timed_window(run: Callable[[int], None], steps: int, device: torch.device, m: Measured) -> None:
-    base = _allocated(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    started = time.perf_counter()
-    run(steps)
-    _sync(device)
-    m.seconds.append(time.perf_counter() - started)
-    if device.type == "cuda":
-        m.transient_bytes = max(m.transient_bytes, torch.cuda.max_memory_allocated(device) - base)
-
-
-def _warm_libraries(device: torch.device) -> None:
-    """cuBLAS keeps a workspace per stream from its first call on: made here, it counts for neither loop."""
-    if device.type == "cuda":
-        a = torch.ones(16, 16, device=device)
-        a @ a
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            a @ a
-        _sync(device)
-
-
-def _release(device: torch.device, compiled: bool) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    if compiled:
-        torch._dynamo.reset()  # a second micro batch compiles afresh, not as a dynamic-shape recompile
-
 
 def measure_micro(s: Settings, micro: int, log: Callable[[str], None]) -> tuple[dict[str, Measured], int, int]:
     """Both loops at one micro batch; returns (measured, FLOP per step, parameters)."""
     measured = {name: Measured(name, micro) for name in LOOPS}
     with tempfile.TemporaryDirectory(prefix="hpctrain-ddpm-bench-") as run_dir:
         cls, cfg = load(s, micro, run_dir)
-        _warm_libraries(s.device)
-        start = _allocated(s.device)
+        warm_libraries(s.device)
+        start = allocated(s.device)
         plain = PlainLoop(cls(cfg), cfg, s.device, s.compile)
         params = sum(p.numel() for p in plain.raw.parameters())
         flops = plain.flops_per_step()
         plain.run(s.warmup)
-        after_plain = _allocated(s.device)
-        hpc = HpctrainLoop(cls, cfg, s.device)
+        after_plain = allocated(s.device)
+        hpc = HpctrainLoop(cls(cfg), cfg, s.device)
         hpc.run(s.warmup)
-        after_hpc = _allocated(s.device)
+        after_hpc = allocated(s.device)
         measured["plain"].resident_bytes = after_plain - start
         measured["hpctrain"].resident_bytes = after_hpc - after_plain
         loops = {"plain": plain.run, "hpctrain": hpc.run}
@@ -321,7 +252,7 @@ def measure_micro(s: Settings, micro: int, log: Callable[[str], None]) -> tuple[
                 log(f"  micro {micro}, repeat {r + 1}: {name} {1e3 * t / s.steps:.2f} ms/step, "
                     f"{micro * s.steps / t:,.1f} images/s")
         del plain, hpc, loops
-    _release(s.device, s.compile)
+    release(s.device, s.compile)
     return measured, flops, params
 
 
@@ -349,10 +280,10 @@ def measure_draws(s: Settings, image_shape: tuple[int, ...], timesteps: int,
     names = list(draws)
     for r in range(max(s.repeats, 3)):
         for name in names if r % 2 == 0 else names[::-1]:
-            _sync(device)
+            sync(device)
             started = time.perf_counter()
             draws[name](iters)
-            _sync(device)
+            sync(device)
             times[name].append((time.perf_counter() - started) / iters * 1e6)
     log(f"  draws: positional {statistics.median(times['positional']):.1f} us/step, "
         f"plain {statistics.median(times['plain']):.1f} us/step")
@@ -360,14 +291,6 @@ def measure_draws(s: Settings, image_shape: tuple[int, ...], timesteps: int,
 
 
 # ---- reporting -----------------------------------------------------------------------------------------------
-
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def _spread(values: list[float], fmt: str) -> str:
-    return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}, {max(values):{fmt}}]"
-
 
 def rows(s: Settings, results: list[tuple[dict[str, Measured], int]]) -> list[dict[str, Any]]:
     """One row per loop and micro batch, as plain numbers (the JSON and the table)."""
@@ -422,10 +345,6 @@ def header(s: Settings, params: int, cfg: RunConfig) -> list[str]:
     return lines
 
 
-def _gib(value: int | None) -> str:
-    return "-" if value is None else f"{value / 2**30:.2f}"
-
-
 def render(s: Settings, head: list[str], table: list[dict[str, Any]], draws: dict[str, Any]) -> str:
     peak = dense_peak(device_name(s.device)) if s.cuda else None
     if peak is not None and peak.dtype == "bf16":
@@ -439,16 +358,16 @@ def render(s: Settings, head: list[str], table: list[dict[str, Any]], draws: dic
     for r in table:
         frac = "-" if r["peak_fraction"] is None else f"{100 * r['peak_fraction']:.1f}%"
         fmt = ",.0f" if r["images_per_s_median"] >= 100 else ",.1f"
-        lines.append(f"| {r['loop']}, micro {r['micro']} | {_spread(r['images_per_s'], fmt)} | "
+        lines.append(f"| {r['loop']}, micro {r['micro']} | {spread(r['images_per_s'], fmt)} | "
                      f"{r['ms_per_step_median']:.2f} | {r['gflop_per_image']:.2f} | {r['tflops_median']:.3g} | "
-                     f"{frac} | {_gib(r['peak_memory_bytes'])} | {r['vs_plain']:.3f} |")
+                     f"{frac} | {gib(r['peak_memory_bytes'])} | {r['vs_plain']:.3f} |")
     lines += ["", f"% peak: {peak_text}. GFLOP/image: FlopCounterMode, forward + backward.", ""]
     share = draws["price_fraction_of_step"]
     share_text = f", {100 * share:.2f}% of hpctrain's step at micro {draws['step_micro']}" if share is not None else ""
     lines += ["| per-sample draws per step (timesteps + noise) | us/step | price |", "|---|---:|---:|",
               f"| positional: BatchInfo.randint + randn, {draws['micro']} of a global {draws['global']} | "
-              f"{_spread(draws['positional_us'], '.1f')} | {draws['price_us']:+.1f} us{share_text} |",
-              f"| plain: torch.randint + torch.randn of {draws['micro']} | {_spread(draws['plain_us'], '.1f')} | "
+              f"{spread(draws['positional_us'], '.1f')} | {draws['price_us']:+.1f} us{share_text} |",
+              f"| plain: torch.randint + torch.randn of {draws['micro']} | {spread(draws['plain_us'], '.1f')} | "
               "reference |"]
     return "\n".join(lines) + "\n"
 

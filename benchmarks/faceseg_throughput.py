@@ -80,7 +80,6 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import gc
 import json
 import math
 import os
@@ -102,6 +101,10 @@ from hpctrain.config.schema import RunConfig
 from hpctrain.experiments.faceseg.experiment import IGNORE_INDEX, MEAN, STD, FaceSegCelebAMask
 from hpctrain.perf.peaks import dense_peak
 from hpctrain.perf.provenance import source_commit
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is no package: the shared helpers beside us
+from throughput_common import (HpctrainLoop, allocated, device_name, gib, release, spread,  # noqa: E402
+                               timed_window, warm_libraries)
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPERIMENT = "faceseg_celebamask"
@@ -205,11 +208,6 @@ def load(s: Settings, batch: int, run_dir: str, path: str = "", shards: str = ""
     return cls, cfg
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def device_data(n: int, size: int, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """n uint8 RGB images (n x 3 x size x size) and label maps (n x size x size, classes 0..18) on ``device``:
     random, which changes nothing of the work of a dense model."""
@@ -298,13 +296,6 @@ class PlainLoop:
         return counter.get_total_flops()
 
 
-class _NoCheckpoint:
-    """In place of hpctrain's Checkpointer: the loop saves when a launch ends, and each timed window is a launch."""
-
-    def save(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-
 class ContinuingLoader:
     """ctx.train_loader for the end-to-end windows: hpctrain's loader, whose iterator is kept when the loop asks
     for the batches from where the last window stopped (as one long run would go on), and started afresh
@@ -342,31 +333,13 @@ class ContinuingLoader:
         return item
 
 
-class HpctrainLoop:
-    """hpctrain's context and loop, in this process: each run(n) is one call of hpctrain.train.loop.train that
-    stops n steps on (train.stop_at_step)."""
-
-    def __init__(self, experiment, cfg: RunConfig, device: torch.device, continuing: bool = False) -> None:
-        from hpctrain.dist.runtime import single_process_runtime
-        from hpctrain.train.run import build_context
-
-        self.ctx = build_context(cfg, single_process_runtime(device), experiment, config_text="", write_run_dir=False)
-        self.ctx.checkpointer = _NoCheckpoint()
-        if continuing:
-            if self.ctx.plan.grad_accum != 1:
-                raise RuntimeError("the continuing loader counts one batch a step: needs micro batch = batch")
-            self.ctx.train_loader = ContinuingLoader(self.ctx.train_loader, self.ctx.sampler)
-
-    def run(self, steps: int) -> None:
-        from hpctrain.train import loop
-
-        ctx = self.ctx
-        stop = ctx.state.step + steps
-        ctx.cfg = dataclasses.replace(ctx.cfg, train=dataclasses.replace(ctx.cfg.train, stop_at_step=stop))
-        result = loop.train(ctx)
-        if result.stop_signal or ctx.state.step != stop:
-            raise RuntimeError(f"hpctrain's loop stopped at step {ctx.state.step}, not {stop} "
-                               f"(stop signal {result.stop_signal})")
+def continuing_loop(experiment, cfg: RunConfig, device: torch.device) -> HpctrainLoop:
+    """hpctrain's loop with its loader going on across timed windows (see ContinuingLoader)."""
+    hpc = HpctrainLoop(experiment, cfg, device)
+    if hpc.ctx.plan.grad_accum != 1:
+        raise RuntimeError("the continuing loader counts one batch a step: needs micro batch = batch")
+    hpc.ctx.train_loader = ContinuingLoader(hpc.ctx.train_loader, hpc.ctx.sampler)
+    return hpc
 
 
 # ---- the face set ----------------------------------------------------------------------------------------------
@@ -430,43 +403,6 @@ def prepare_shards(s: Settings, workdir: Path, log: Callable[[str], None]) -> tu
 
 # ---- measuring -----------------------------------------------------------------------------------------------
 
-def _allocated(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 0
-    _sync(device)
-    return torch.cuda.memory_allocated(device)
-
-
-def timed_window(run: Callable[[int], None], steps: int, device: torch.device, m: Measured) -> None:
-    base = _allocated(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    started = time.perf_counter()
-    run(steps)
-    _sync(device)
-    m.seconds.append(time.perf_counter() - started)
-    if device.type == "cuda":
-        m.transient_bytes = max(m.transient_bytes, torch.cuda.max_memory_allocated(device) - base)
-
-
-def _warm_libraries(device: torch.device) -> None:
-    """cuBLAS keeps a workspace per stream from its first call on: made here, it counts for neither loop."""
-    if device.type == "cuda":
-        a = torch.ones(16, 16, device=device)
-        a @ a
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            a @ a
-        _sync(device)
-
-
-def _release(device: torch.device, compiled: bool) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    if compiled:
-        torch._dynamo.reset()  # a second batch compiles afresh, not as a dynamic-shape recompile
-
-
 def _log_window(log: Callable[[str], None], name: str, batch: int, r: int, seconds: float, steps: int) -> None:
     log(f"  batch {batch}, repeat {r + 1}: {name} {1e3 * seconds / steps:.2f} ms/step, "
         f"{batch * steps / seconds:,.1f} images/s")
@@ -477,19 +413,19 @@ def measure_model_only(s: Settings, batch: int, log: Callable[[str], None]) -> t
     measured = {name: Measured(name, batch) for name in MODEL_ONLY}
     with tempfile.TemporaryDirectory(prefix="hpctrain-faceseg-bench-") as run_dir:
         _, cfg = load(s, batch, run_dir)
-        _warm_libraries(s.device)
-        start = _allocated(s.device)
+        warm_libraries(s.device)
+        start = allocated(s.device)
         plain = PlainLoop(FaceSegCelebAMask(cfg), cfg, s.device, s.compile, s.samples)
         params = sum(p.numel() for p in plain.raw.parameters())
         flops = plain.flops_per_step()
         plain.run(s.warmup)
-        after_plain = _allocated(s.device)
+        after_plain = allocated(s.device)
         experiment = OnDeviceFaceSeg(cfg)
         experiment.tensors = device_data(s.samples, s.size, s.device, cfg.run.seed + 1)
         hpc = HpctrainLoop(experiment, cfg, s.device)
         del experiment
         hpc.run(s.warmup)
-        after_hpc = _allocated(s.device)
+        after_hpc = allocated(s.device)
         measured["plain"].resident_bytes = after_plain - start
         measured["hpctrain"].resident_bytes = after_hpc - after_plain
         loops = {"plain": plain.run, "hpctrain": hpc.run}
@@ -498,7 +434,7 @@ def measure_model_only(s: Settings, batch: int, log: Callable[[str], None]) -> t
                 timed_window(loops[name], s.steps, s.device, measured[name])
                 _log_window(log, name, batch, r, measured[name].seconds[-1], s.steps)
         del plain, hpc, loops
-    _release(s.device, s.compile)
+    release(s.device, s.compile)
     return measured, flops, params
 
 
@@ -508,29 +444,21 @@ def measure_e2e(s: Settings, batch: int, path: str, shards: Path, log: Callable[
     m = Measured(name, batch)
     with tempfile.TemporaryDirectory(prefix="hpctrain-faceseg-bench-") as run_dir:
         cls, cfg = load(s, batch, run_dir, path, str(shards))
-        _warm_libraries(s.device)
-        start = _allocated(s.device)
-        hpc = HpctrainLoop(cls(cfg), cfg, s.device, continuing=True)
+        warm_libraries(s.device)
+        start = allocated(s.device)
+        hpc = continuing_loop(cls(cfg), cfg, s.device)
         hpc.run(s.warmup)
-        m.resident_bytes = _allocated(s.device) - start
+        m.resident_bytes = allocated(s.device) - start
         for r in range(s.repeats):
             timed_window(hpc.run, s.steps, s.device, m)
             _log_window(log, name, batch, r, m.seconds[-1], s.steps)
         starts = hpc.ctx.train_loader.starts
         del hpc
-    _release(s.device, s.compile)
+    release(s.device, s.compile)
     return m, starts
 
 
 # ---- reporting -----------------------------------------------------------------------------------------------
-
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def _spread(values: list[float], fmt: str) -> str:
-    return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}, {max(values):{fmt}}]"
-
 
 def rates(m: Measured, steps: int) -> list[float]:
     """Images per second of each timed window."""
@@ -634,10 +562,6 @@ def header(s: Settings, params: int, data: dict[str, Any] | None) -> list[str]:
     return lines
 
 
-def _gib(value: int | None) -> str:
-    return "-" if value is None else f"{value / 2**30:.2f}"
-
-
 def _vs(r: dict[str, Any]) -> str:
     return "reference" if r["vs"] is None else f"{r['vs']:.3f} of {r['vs_what']}"
 
@@ -655,9 +579,9 @@ def render(s: Settings, head: list[str], table: list[dict[str, Any]], goal_rows:
     for r in table:
         frac = "-" if r["peak_fraction"] is None else f"{100 * r['peak_fraction']:.1f}%"
         fmt = ",.0f" if r["images_per_s_median"] >= 100 else ",.1f"
-        lines.append(f"| {r['loop']}, batch {r['batch']} | {_spread(r['images_per_s'], fmt)} | "
+        lines.append(f"| {r['loop']}, batch {r['batch']} | {spread(r['images_per_s'], fmt)} | "
                      f"{r['ms_per_step_median']:.2f} | {r['gflop_per_image']:.2f} | {r['tflops_median']:.3g} | "
-                     f"{frac} | {_gib(r['peak_memory_bytes'])} | {_vs(r)} |")
+                     f"{frac} | {gib(r['peak_memory_bytes'])} | {_vs(r)} |")
     lines += ["", f"% peak: {peak_text}. GFLOP/image: FlopCounterMode, forward + backward "
                   f"({REFERENCE_GFLOP:g} at the reference configuration).", ""]
     batches = sorted({g["batch"] for g in goal_rows})

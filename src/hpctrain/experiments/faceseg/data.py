@@ -64,16 +64,9 @@ class Resized(Dataset):
         return resize_image(_rgb(image), self.size), resize_labels(labels.reshape(labels.shape[-2:]), self.size)
 
 
-class Encoded(Dataset):
+class Encoded(Resized):
     """gpu_decode: (JPEG bytes, labels); the image is decoded and resized on the device. Labels at the shards' size
     (size 0: the training crop resizes them) or resized to size x size."""
-
-    def __init__(self, shards: Dataset, size: int) -> None:
-        self.shards, self.size = shards, size
-        self.epoch_order = getattr(shards, "epoch_order", None)
-
-    def __len__(self) -> int:
-        return len(self.shards)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         data, label_png = self.shards[i]

@@ -1,0 +1,101 @@
+"""What the throughput benchmarks (ddpm_throughput.py, faceseg_throughput.py) share: hpctrain's loop driven
+window by window in this process, timed windows with their memory, and the table's small formatters.
+benchmarks/ is not a package: the scripts put their own folder on sys.path to import this."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+from hpctrain.config.schema import RunConfig
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class NoCheckpoint:
+    """In place of hpctrain's Checkpointer: the loop saves when a launch ends, and each timed window is a launch."""
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+class HpctrainLoop:
+    """hpctrain's context and loop, in this process: each run(n) is one call of hpctrain.train.loop.train that
+    stops n steps on (train.stop_at_step)."""
+
+    def __init__(self, experiment, cfg: RunConfig, device: torch.device) -> None:
+        from hpctrain.dist.runtime import single_process_runtime
+        from hpctrain.train.run import build_context
+
+        self.ctx = build_context(cfg, single_process_runtime(device), experiment, config_text="", write_run_dir=False,
+                                 pretrained=False)
+        self.ctx.checkpointer = NoCheckpoint()
+
+    def run(self, steps: int) -> None:
+        from hpctrain.train import loop
+
+        ctx = self.ctx
+        stop = ctx.state.step + steps
+        ctx.cfg = dataclasses.replace(ctx.cfg, train=dataclasses.replace(ctx.cfg.train, stop_at_step=stop))
+        result = loop.train(ctx)
+        if result.stop_signal or ctx.state.step != stop:
+            raise RuntimeError(f"hpctrain's loop stopped at step {ctx.state.step}, not {stop} "
+                               f"(stop signal {result.stop_signal})")
+
+
+def allocated(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    sync(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def timed_window(run: Callable[[int], None], steps: int, device: torch.device, m: Any) -> None:
+    """Time run(steps) to its last kernel into m.seconds; the peak memory above the start into m.transient_bytes."""
+    base = allocated(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    started = time.perf_counter()
+    run(steps)
+    sync(device)
+    m.seconds.append(time.perf_counter() - started)
+    if device.type == "cuda":
+        m.transient_bytes = max(m.transient_bytes, torch.cuda.max_memory_allocated(device) - base)
+
+
+def warm_libraries(device: torch.device) -> None:
+    """cuBLAS keeps a workspace per stream from its first call on: made here, it counts for neither loop."""
+    if device.type == "cuda":
+        a = torch.ones(16, 16, device=device)
+        a @ a
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            a @ a
+        sync(device)
+
+
+def release(device: torch.device, compiled: bool) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if compiled:
+        torch._dynamo.reset()  # a second batch size compiles afresh, not as a dynamic-shape recompile
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def spread(values: list[float], fmt: str) -> str:
+    return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}, {max(values):{fmt}}]"
+
+
+def gib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**30:.2f}"
