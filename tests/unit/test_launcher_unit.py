@@ -1,7 +1,7 @@
 import sys
 
 from hpctrain.dist.launcher import torchrun_command
-from hpctrain.dist.torchrun_main import exit_code
+from hpctrain.launch import exit_code
 from hpctrain.train.entry import TrainRequest
 
 
@@ -14,7 +14,7 @@ def test_worker_exit_codes_pass_through():
 def test_torchrun_command_reruns_the_same_request_without_nproc():
     req = TrainRequest("digits", "cfg.toml", ("train.max_steps=3",), 4, True)
     cmd = torchrun_command(4, req.module_args())
-    assert cmd[:3] == [sys.executable, "-m", "hpctrain.dist.torchrun_main"]
+    assert cmd[:3] == [sys.executable, "-m", "hpctrain.launch"]
     assert "--standalone" in cmd and "--nproc-per-node=4" in cmd
     tail = cmd[cmd.index("hpctrain") + 1:]
     assert tail[:2] == ["train", "digits"] and tail[2] == "--config" and tail[3].endswith("/cfg.toml")
@@ -25,7 +25,7 @@ def test_torchrun_command_reruns_the_same_request_without_nproc():
 def test_first_failure_prefers_the_cause_over_torchruns_shutdown_sigterm():
     from types import SimpleNamespace
 
-    from hpctrain.dist.torchrun_main import first_failure
+    from hpctrain.launch import first_failure
 
     lost_peer = {"message": "RuntimeError: [gloo/pair.cc:561] Connection closed by peer [127.0.0.1]:123. "
                             "This is typically caused by a remote worker crashing."}
@@ -45,7 +45,7 @@ def test_first_failure_prefers_the_cause_over_torchruns_shutdown_sigterm():
 def test_failure_message_keeps_a_user_errors_message_before_its_hint():
     from types import SimpleNamespace
 
-    from hpctrain.dist.torchrun_main import failure_message
+    from hpctrain.launch import failure_message
 
     user = SimpleNamespace(message={"message": "DataError: sample '7' of shard s.tar: cannot decode .png\nHINT: re-create it."})
     assert failure_message(user) == "DataError: sample '7' of shard s.tar: cannot decode .png (HINT: re-create it.)"

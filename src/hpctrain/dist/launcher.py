@@ -20,7 +20,7 @@ _PR_SET_PDEATHSIG = 1
 def torchrun_command(nproc_per_node: int, module_args: Sequence[str]) -> list[str]:
     # torch.distributed.run's own main, wrapped only to shorten its failure report.
     return [
-        sys.executable, "-m", "hpctrain.dist.torchrun_main",
+        sys.executable, "-m", "hpctrain.launch",
         "--standalone",  # c10d rendezvous on a free local port
         f"--nproc-per-node={nproc_per_node}",
         "-m", "hpctrain", *module_args,

@@ -19,7 +19,7 @@ node list, c10d rendezvous), plus what they leave out and users get wrong:
 
 Two launchers (slurm.launcher):
 
-- ``torchrun`` (default): one task per node runs ``hpctrain.dist.torchrun_main``, which starts the node's
+- ``torchrun`` (default): one task per node runs ``hpctrain.launch``, which starts the node's
   processes, forwards signals to them, runs the node monitors, and maps a failure to the first failed worker's
   exit code and one alert.
 - ``srun``: one task per process (``--ntasks-per-node=G`` in sbatch and srun, ``--cpus-per-task`` a G-th of the
@@ -277,7 +277,7 @@ def _step_prefix(spec: JobSpec, rdzv_id: str = '"$SLURM_JOB_ID"') -> list[str]:
     cmd += gpu_binding(s) + _container_prefix(spec)
     if s.launcher == "srun":
         return cmd + [q(python), "-u", "-m", "hpctrain.slurm.task"]
-    return cmd + [q(python), "-u", "-m", "hpctrain.dist.torchrun_main"] + launcher_args(spec, rdzv_id) + ["-m", "hpctrain"]
+    return cmd + [q(python), "-u", "-m", "hpctrain.launch"] + launcher_args(spec, rdzv_id) + ["-m", "hpctrain"]
 
 
 def _preflight(spec: JobSpec) -> list[str]:

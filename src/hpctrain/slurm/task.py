@@ -8,7 +8,7 @@ stopped when it ends. Where each task is confined to its bound GPU (``--gpu-bind
 ConstrainDevices), ``nvidia-smi dmon`` in that task sees only its GPU, so ``dmon_HOST.log`` then records
 one GPU of the node.
 
-The rest of what ``hpctrain.dist.torchrun_main`` does needs no stand-in here: srun and slurmstepd deliver
+The rest of what ``hpctrain.launch`` does needs no stand-in here: srun and slurmstepd deliver
 signals to every task directly, Slurm's KillWait bounds the grace after SIGTERM, and a failure ends the step
 through ``srun --kill-on-bad-exit=1``, whose exit code is the highest of the tasks'.
 """

@@ -53,7 +53,7 @@ HPCTRAIN_CONFIG_EOF
 mv -f "$CONFIG.tmp" "$CONFIG"
 
 # --- launch: one torchrun per node ---
-LAUNCH=(srun --kill-on-bad-exit=1 --ntasks-per-node=1 --cpus-per-task=8 /home/user/venv/bin/python -u -m hpctrain.dist.torchrun_main --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" --max-restarts=0 -m hpctrain train digits --config "$CONFIG")
+LAUNCH=(srun --kill-on-bad-exit=1 --ntasks-per-node=1 --cpus-per-task=8 /home/user/venv/bin/python -u -m hpctrain.launch --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" --max-restarts=0 -m hpctrain train digits --config "$CONFIG")
 printf "%q " "${LAUNCH[@]}" > "$RUN_DIR/slurm/launch_$SLURM_JOB_ID.sh"
 echo "hpctrain: launching: $(cat "$RUN_DIR/slurm/launch_$SLURM_JOB_ID.sh")"
 

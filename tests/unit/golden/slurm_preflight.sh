@@ -50,14 +50,14 @@ HPCTRAIN_CONFIG_EOF
 mv -f "$CONFIG.tmp" "$CONFIG"
 
 # --- pre-flight: all-reduce bandwidth, matmul throughput, stragglers on every rank; stop on a failure ---
-PREFLIGHT=(srun --kill-on-bad-exit=1 --ntasks-per-node=1 --cpus-per-task=32 /home/user/venv/bin/python -u -m hpctrain.dist.torchrun_main --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID-preflight" --max-restarts=0 -m hpctrain doctor --perf --out "$RUN_DIR/preflight/$SLURM_JOB_ID" --min-busbw 20)
+PREFLIGHT=(srun --kill-on-bad-exit=1 --ntasks-per-node=1 --cpus-per-task=32 /home/user/venv/bin/python -u -m hpctrain.launch --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID-preflight" --max-restarts=0 -m hpctrain doctor --perf --out "$RUN_DIR/preflight/$SLURM_JOB_ID" --min-busbw 20)
 if ! "${PREFLIGHT[@]}"; then
   echo "hpctrain: the pre-flight failed, not training: $RUN_DIR/preflight/$SLURM_JOB_ID/preflight.md"
   exit 1
 fi
 
 # --- launch: one torchrun per node ---
-LAUNCH=(srun --kill-on-bad-exit=1 --ntasks-per-node=1 --cpus-per-task=32 /home/user/venv/bin/python -u -m hpctrain.dist.torchrun_main --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" --max-restarts=0 -m hpctrain train digits --config "$CONFIG")
+LAUNCH=(srun --kill-on-bad-exit=1 --ntasks-per-node=1 --cpus-per-task=32 /home/user/venv/bin/python -u -m hpctrain.launch --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" --max-restarts=0 -m hpctrain train digits --config "$CONFIG")
 printf "%q " "${LAUNCH[@]}" > "$RUN_DIR/slurm/launch_$SLURM_JOB_ID.sh"
 echo "hpctrain: launching: $(cat "$RUN_DIR/slurm/launch_$SLURM_JOB_ID.sh")"
 

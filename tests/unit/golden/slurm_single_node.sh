@@ -48,7 +48,7 @@ HPCTRAIN_CONFIG_EOF
 mv -f "$CONFIG.tmp" "$CONFIG"
 
 # --- launch: one torchrun per node ---
-LAUNCH=(srun --kill-on-bad-exit=1 --ntasks-per-node=1 --cpus-per-task=32 /home/user/venv/bin/python -u -m hpctrain.dist.torchrun_main --standalone --nnodes=1 --nproc-per-node=4 -m hpctrain train digits --config "$CONFIG")
+LAUNCH=(srun --kill-on-bad-exit=1 --ntasks-per-node=1 --cpus-per-task=32 /home/user/venv/bin/python -u -m hpctrain.launch --standalone --nnodes=1 --nproc-per-node=4 -m hpctrain train digits --config "$CONFIG")
 printf "%q " "${LAUNCH[@]}" > "$RUN_DIR/slurm/launch_$SLURM_JOB_ID.sh"
 echo "hpctrain: launching: $(cat "$RUN_DIR/slurm/launch_$SLURM_JOB_ID.sh")"
 

@@ -1,0 +1,206 @@
+"""torchrun, with stop signals passed to the workers and a short failure report.
+
+This is ``torch.distributed.run.main`` itself (the same argument parsing, agent and
+rendezvous). What we change, measured on torch 2.14:
+
+- Signals. torchrun handles SIGTERM, SIGINT, SIGHUP and SIGQUIT by sending the same
+  signal to its workers and SIGKILL 30 s later, then exits with a traceback instead
+  of the workers' exit code. SIGUSR1/SIGUSR2 it does not handle at all: their
+  default action kills torchrun, and the workers (each in a session of its own)
+  never hear of it. Here SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 are forwarded to the
+  worker processes and torchrun keeps running, so the workers can stop at a step
+  boundary, save, and exit with fault.exit_code, which we pass on. SIGINT and
+  SIGQUIT keep torchrun's behaviour (stop now).
+- Failures. Its ChildFailedError traceback and boxed summary bury the workers' own
+  messages; we print one line about the first failure and exit with that worker's
+  code (2 for bad input, 128+N for signal N) instead of 1, and send the failure alert
+  once for all ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import main as torchrun
+
+from hpctrain.dist.env import mark_agent_environment
+from hpctrain.monitor.sidecars import node_monitors
+
+FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def exit_code(worker_exitcode: int) -> int:
+    if worker_exitcode < 0:
+        return 128 - worker_exitcode
+    return worker_exitcode or 1
+
+
+def child_pids(pid: int | None = None) -> list[int]:
+    """Direct children of ``pid`` (torchrun's workers), from /proc."""
+    pid = pid or os.getpid()
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return children
+
+
+# After a forwarded SIGTERM the workers get this long to save and exit, then SIGKILL: torchrun's own
+# backstop (30 s) is bypassed by forwarding, and a hung worker must not keep the launcher alive forever.
+# Under Slurm, KillWait ends the step earlier anyway.
+TERM_GRACE_S = 120
+
+
+def _kill_children(signum: int = signal.SIGKILL, _frame=None) -> None:
+    for child in child_pids():
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _forward(signum: int, _frame) -> None:
+    for child in child_pids():
+        try:
+            os.kill(child, signum)
+        except ProcessLookupError:
+            pass
+    if signum == signal.SIGTERM:
+        signal.signal(signal.SIGALRM, _kill_children)
+        signal.alarm(TERM_GRACE_S)
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def failure_message(failure, full: bool = False) -> str:
+    """The worker's error from torchrun's error file (written by @record): a str, or a dict with 'message'.
+    Its last line (the exception; for a UserError the line before its HINT), or all of it."""
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    if not isinstance(message, str) or message.startswith("To enable traceback") or not message.strip():
+        return ""
+    if full:
+        return message
+    lines = message.strip().splitlines()
+    if len(lines) > 1 and lines[-1].startswith("HINT: "):
+        return f"{lines[-2]} ({lines[-1]})"[:500]
+    return lines[-1][:500]
+
+
+def _run_config():
+    """The config of the hpctrain command torchrun runs (from our argv), or None if it cannot be read."""
+    try:
+        from hpctrain.cli import request_from_argv
+        from hpctrain.train.entry import resolve
+
+        req = request_from_argv(sys.argv[sys.argv.index("hpctrain") + 1:])
+        return resolve(req.experiment, req.config_file, req.overrides)[1]
+    except (Exception, SystemExit):
+        return None
+
+
+# A worker whose error says a peer went away failed because of another worker, not first.
+CONSEQUENCE_MARKERS = (
+    "Connection closed by peer", "Connection reset by peer", "remote worker crashing",
+    "NCCL communicator was aborted", "Broken pipe",
+)
+
+
+def is_consequence(failure) -> bool:
+    """Evidently caused by another worker's failure: torchrun's shutdown SIGTERM, or a lost peer connection."""
+    return failure.exitcode == -signal.SIGTERM or any(m in failure_message(failure, full=True) for m in CONSEQUENCE_MARKERS)
+
+
+def first_failure(err: ChildFailedError):
+    """(rank, failure) that caused the others. torchrun's own pick goes by timestamp, but its timestamps have
+    1 s resolution, and a worker killed without an error file is stamped when torchrun notices, which can be
+    after the survivors' own errors about the lost peer. So evident consequences go last."""
+    return min(err.failures.items(), key=lambda kv: (is_consequence(kv[1]), kv[1].timestamp, kv[0]))
+
+
+def report(err: ChildFailedError) -> int:
+    rank, first = first_failure(err)
+    cfg = _run_config()
+    codes = {f.exitcode for f in err.failures.values()}
+    if cfg is not None and codes == {cfg.fault.exit_code}:
+        # Not a failure: every worker saved and asked to be resumed (rank 0 sent the alert, requeued).
+        print(f"hpctrain: all {len(err.failures)} workers stopped after a checkpoint; exit code "
+              f"{cfg.fault.exit_code} means: resume me", file=sys.stderr)
+        return cfg.fault.exit_code
+    others = ", ".join(f"rank {r} {describe_exit(f.exitcode)}" for r, f in sorted(err.failures.items()) if r != rank)
+    error = failure_message(first)
+    print(
+        f"hpctrain: worker rank {rank} (local rank {first.local_rank}, pid {first.pid}, {socket.gethostname()}) "
+        f"failed first, {describe_exit(first.exitcode)}" + (f": {error}" if error and first.exitcode > 0 else "")
+        + (f"; after it: {others}" if others else "")
+        + "; its messages are above.",
+        file=sys.stderr,
+    )
+    if cfg is not None:
+        _alert_failure(cfg, rank, exit_code(first.exitcode), describe_exit(first.exitcode), failure_message(first))
+    return exit_code(first.exitcode)
+
+
+def _alert_failure(cfg, rank: int, code: int, how: str, message: str) -> None:
+    """The failure alert, from the launcher: one alert for the job, even when the worker died without a word."""
+    try:
+        from hpctrain.fault.alerts import Alerter, resolve_webhook
+
+        alerter = Alerter(resolve_webhook(cfg.alert), cfg.alert, cfg.run_name, cfg.run_dir,
+                          os.environ.get("SLURM_JOB_ID", ""), rank)
+        alerter.send("failure", last_step=_last_step(Path(cfg.run_dir), rank), exit_code=code,
+                     detail=f"rank {rank} {how}" + (f": {message}" if message else ""))
+    except Exception as err:  # an alert must never hide the failure it reports
+        print(f"hpctrain: could not send the failure alert: {type(err).__name__}", file=sys.stderr)
+
+
+def _last_step(run_dir: Path, rank: int) -> int:
+    try:
+        import json
+
+        return int(json.loads((run_dir / "heartbeat" / f"rank_{rank}.json").read_text())["step"])
+    except (OSError, ValueError, KeyError):
+        return -1
+
+
+def main(argv: list[str] | None = None) -> int:
+    mark_agent_environment()
+    # torchrun copies the failing worker's error file here; without one it logs that it has nowhere to copy.
+    error_dir = tempfile.mkdtemp(prefix="hpctrain-torchrun-")
+    os.environ.setdefault("TORCHELASTIC_ERROR_FILE", os.path.join(error_dir, "error.json"))
+    # torchrun registers its handlers (raise, shut the workers down) for the signals in this list when it
+    # starts; the others stay ours. Its --signals-to-handle overrides TORCHELASTIC_SIGNALS_TO_HANDLE.
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not any(a.startswith(("--signals-to-handle", "--signals_to_handle")) for a in argv):
+        argv.insert(0, "--signals-to-handle=SIGINT,SIGQUIT")
+    for sig in FORWARDED:
+        signal.signal(sig, _forward)
+    try:
+        with node_monitors():  # only inside a job script that asked for them
+            torchrun(argv)
+    except ChildFailedError as err:
+        return report(err)
+    finally:
+        shutil.rmtree(error_dir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
