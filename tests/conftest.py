@@ -50,11 +50,50 @@ def run_hpctrain(args: list[str], timeout: float = 120, cwd: Path | None = None,
     return Result(proc.returncode, out, err)
 
 
-def final_params(run_dir: Path) -> dict:
-    import torch
+def checkpoint_tensors(checkpoint: Path, part: str = "model") -> dict:
+    """One part (model, optim, ema) of a checkpoint's DCP tensors by name, read with torch's own converter
+    (dcp_to_torch_save), not hpctrain's loading code: what a test compares is then independent of it."""
+    import tempfile
+    import warnings
 
-    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    return torch.load(run_dir / "checkpoints" / latest / "model.pt", weights_only=True)
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
+        dcp_to_torch_save(checkpoint / "dcp", Path(tmp) / "all.pt")
+        everything = torch.load(Path(tmp) / "all.pt", weights_only=True)
+    if part in everything:  # nested, as saved
+        return everything[part]
+    prefix = part + "."
+    return {k[len(prefix):]: v for k, v in everything.items() if k.startswith(prefix)}
+
+
+def write_dcp_checkpoint(root: Path, step: int, parts: dict, files: dict, meta: dict) -> Path:
+    """A complete checkpoint in hpctrain's format written by hand (one process): ``parts`` (e.g. {"model": state
+    dict, "ema": state dict}) through torch.distributed.checkpoint, ``files`` (state.json, ...) beside them, the
+    manifest listing all of it. For tests of what reads checkpoints, without a training run."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from hpctrain.checkpoint import storage
+
+    tmp = storage.new_temporary(root, step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save(parts, checkpoint_id=str(tmp / "dcp"), no_dist=True)
+    entries = {f"dcp/{f.name}": storage.hash_file(f) for f in (tmp / "dcp").iterdir()}
+    entries |= storage.write_files(tmp, files)
+    return storage.finish_checkpoint(root, tmp, step, entries, {"parts": sorted(parts), **meta})
+
+
+def latest_checkpoint(run_dir: Path) -> Path:
+    return run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+
+
+def final_params(run_dir: Path) -> dict:
+    return checkpoint_tensors(latest_checkpoint(run_dir))
 
 
 def same_params(a: dict, b: dict) -> bool:

@@ -115,10 +115,18 @@ def _add_export_parser(sub) -> None:
     export = sub.add_parser(
         "export", help="write a run's shipped weights (model.safetensors), config and a model card for a model hub",
         description="Writes DIR/model.safetensors (the EMA weights when present), DIR/config.toml and DIR/README.md "
-        "(a model card), all at once through a temporary directory.",
+        "(a model card), all at once through a temporary directory; or, with --out FILE.safetensors, that one file. "
+        "From a checkpoint of any dist.strategy and number of processes.",
     )
     export.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of a trained run")
-    export.add_argument("--out", default="", metavar="DIR", help="export directory (default RUN_DIR/export)")
+    export.add_argument("--out", default="", metavar="DIR|FILE.safetensors",
+                        help="export directory (default RUN_DIR/export), or a .safetensors file: the weights alone, "
+                        "with the config in its metadata and beside it (FILE.toml)")
+    which = export.add_mutually_exclusive_group()
+    which.add_argument("--ema", dest="weights", action="store_const", const="ema",
+                       help="the EMA weights (an error when the run has none); default: EMA when the run has them")
+    which.add_argument("--raw", dest="weights", action="store_const", const="model",
+                       help="the training weights, not the EMA ones")
     export.add_argument("--resume", default="auto", metavar="auto|PATH",
                         help="the checkpoint: the latest (auto, the default) or a checkpoint directory")
     export.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -209,7 +217,8 @@ def _export(args: argparse.Namespace) -> int:
     from hpctrain.train.export import export_command
 
     setup_logging(debug=args.debug)
-    return export_command(Path(args.run_dir), Path(args.out) if args.out else None, args.resume)
+    return export_command(Path(args.run_dir), Path(args.out) if args.out else None, args.resume,
+                          args.weights or "auto")
 
 
 def _add_shard_parser(sub) -> None:

@@ -50,7 +50,7 @@ def _spy_on_opens(root: Path, opened: list[str]) -> None:
     builtins.open = io.open = spying_open
 
 
-FAULTS = ("", "optim.pt", "rng.pt")
+FAULTS = ("", "train.pt", "rng.pt")
 """One restore per entry, in the same processes: none, then rank 0 failing to read that file."""
 
 
@@ -59,6 +59,7 @@ def _worker(rank: int, tmp: Path) -> None:
     from hpctrain.checkpoint.manager import Checkpointer
     from hpctrain.dist.collectives import broadcast_bytes
     from hpctrain.errors import UserError, raised_on_every_rank
+    from hpctrain.train.rng import capture_rng, restore_rng
     from hpctrain.train.state import TrainState
     from tests.unit.test_async_checkpoint import training_state
 
@@ -71,7 +72,8 @@ def _worker(rank: int, tmp: Path) -> None:
         torch.manual_seed(100 + rank)
         np.random.seed(200 + rank)
         random.seed(300 + rank)
-        ckpt.save(TrainState(step=3, epoch=0, step_in_epoch=3, samples_seen=12), stateful, wait=True)
+        ckpt.save(TrainState(step=3, epoch=0, step_in_epoch=3, samples_seen=12).to_dict(), stateful,
+                  capture_rng(runtime.device), wait=True)
         expected = _draws()  # each rank's streams right after the save
         payload = bytes(np.random.default_rng(1).integers(0, 256, 10_007, dtype=np.uint8))  # rank 0's only
         got = broadcast_bytes(payload if rank == 0 else None, len(payload), runtime, chunk_bytes=1_000)
@@ -82,21 +84,22 @@ def _worker(rank: int, tmp: Path) -> None:
             torch.manual_seed(7)
             np.random.seed(7)
             random.seed(7)
-            if rank == 0 and fault == "optim.pt":
+            if rank == 0 and fault == "train.pt":
                 storage.read_bytes = lambda path, name: (
-                    _raise(OSError(5, "Input/output error")) if name == "optim.pt" else real_read(path, name))
+                    _raise(OSError(5, "Input/output error")) if name == "train.pt" else real_read(path, name))
             if rank == 0 and fault == "rng.pt":
                 storage.load_file = lambda path, name: real_load(path / "gone" if name == "rng.pt" else path, name)
             opened: list[str] = []
             _spy_on_opens(tmp / "run" / "checkpoints", opened)
             try:
-                resumed = ckpt.restore("auto", fresh, seed=0)
+                resumed = ckpt.restore("auto", fresh)
+                restore_rng(resumed.rng, runtime.device)  # what train/run.py does with them
             except UserError as err:
                 report |= {"error": str(err), "on_every_rank": raised_on_every_rank(err)}
             else:
                 live, loaded = stateful["model"].state_dict(), fresh["model"].state_dict()
                 report |= {
-                    "step": resumed.state.step,
+                    "step": resumed.info["step"],
                     "rng_equal": _draws() == expected,
                     "model_equal": all(torch.equal(live[k], loaded[k]) for k in live),
                     "ema_equal": all(torch.equal(a, b) for a, b in zip(stateful["ema"].state_dict().values(),
@@ -147,17 +150,20 @@ def test_broadcast_bytes_in_chunks_gives_every_rank_rank_0s_bytes(restores: list
 
 
 def test_resume_reads_each_file_once_on_rank_0_and_restores_every_rank(restores: list[dict]):
+    """Under ddp every rank holds the whole state: rank 0 reads the checkpoint once and broadcasts it."""
     main, other = (r[""] for r in restores)
     assert other["opened"] == [], "rank 1 read checkpoint files itself"
-    # Rank 0: one read to verify each file's checksum, one to load it; nobody else.
-    for name in ("model.pt", "optim.pt", "ema.pt", "rng.pt"):
+    # Rank 0: one read to verify each file's checksum, one to load it; nobody else. Rank 1's DCP file is empty
+    # (replicated tensors are written by rank 0): verified, nothing in it to load.
+    for name in (".metadata", "__0_0.distcp", "train.pt", "rng.pt"):
         assert main["opened"].count(name) == 2, (name, main["opened"])
+    assert main["opened"].count("__1_0.distcp") == 1, main["opened"]
     for rank, r in enumerate((main, other)):
         assert r["step"] == 3 and r["model_equal"] and r["ema_equal"] and r["optim_equal"], r
         assert r["rng_equal"], f"rank {rank} did not get its own random streams back"
 
 
-@pytest.mark.parametrize("name", ["optim.pt", "rng.pt"])
+@pytest.mark.parametrize("name", ["train.pt", "rng.pt"])
 def test_a_file_rank_0_cannot_read_fails_every_rank_with_its_name(restores: list[dict], name: str):
     """Raised on both ranks (none left waiting: the same processes go on to the next restore), and marked as
     raised on every rank, so the ranks meet at teardown as after any shared verdict."""

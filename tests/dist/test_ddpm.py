@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.conftest import read_jsonl, run_hpctrain, train_losses
+from tests.conftest import checkpoint_tensors, latest_checkpoint, read_jsonl, run_hpctrain, train_losses
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
@@ -94,12 +94,9 @@ def test_resume_reproduces_losses_and_ema(tmp_path: Path):
     train(tmp_path / "split", 2, *common, "train.stop_at_step=10")
     train(tmp_path / "split", 1, *common)
     assert_same_run(tmp_path / "straight", tmp_path / "split", 20)
-    a, b = (_latest(tmp_path / name, "ema.pt") for name in ("straight", "split"))
+    a, b = (checkpoint_tensors(latest_checkpoint(tmp_path / name), "ema") for name in ("straight", "split"))
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
-def _latest(run_dir: Path, name: str) -> dict:
-    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    return torch.load(run_dir / "checkpoints" / latest / name, weights_only=True)

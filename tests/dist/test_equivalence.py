@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from hpctrain.experiments.digits.data import split_digits
 from hpctrain.experiments.digits.model import MiniResNet
-from tests.conftest import read_jsonl, run_hpctrain, same_params, train_losses
+from tests.conftest import checkpoint_tensors, latest_checkpoint, read_jsonl, run_hpctrain, same_params, train_losses
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
 
@@ -45,9 +45,9 @@ def test_world_size_equivalence(tmp_path: Path):
     assert runs[1][20] < runs[1][1] - 0.1
 
 
-def checkpoint_file(run_dir: Path, name: str = "model.pt") -> dict:
-    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    return torch.load(run_dir / "checkpoints" / latest / name, weights_only=True)
+def checkpoint_file(run_dir: Path, part: str = "model") -> dict:
+    """The latest checkpoint's model or EMA weights by name."""
+    return checkpoint_tensors(latest_checkpoint(run_dir), part)
 
 
 # Batch norm, EMA, accumulation, augmentation and a loader worker all on.
@@ -74,9 +74,10 @@ def test_resume_continues_the_same_run(tmp_path: Path, ema_straight: Path):
     assert sorted(split) == list(range(1, 17))
     assert split == straight  # exact equality: same world size, same arithmetic
     assert same_params(checkpoint_file(ema_straight), checkpoint_file(tmp_path / "split"))
-    ema = checkpoint_file(tmp_path / "split", "ema.pt")
-    assert int(ema["n_averaged"]) == 16  # updated at every step, the 8 before the stop included
-    assert same_params(checkpoint_file(ema_straight, "ema.pt"), ema)
+    ema = checkpoint_file(tmp_path / "split", "ema")
+    train_state = torch.load(latest_checkpoint(tmp_path / "split") / "train.pt", weights_only=True)
+    assert train_state["ema_n_averaged"] == 16  # updated at every step, the 8 before the stop included
+    assert same_params(checkpoint_file(ema_straight, "ema"), ema)
     # Validated on the EMA weights: rank 1 of the resumed run holds rank 0's saved copy of them, so this also needs
     # every rank to validate rank 0's batch-norm statistics, not its own.
     assert val_metrics(tmp_path / "split") == val_metrics(ema_straight) and 16 in val_metrics(ema_straight)
@@ -107,7 +108,7 @@ def test_eval_validates_the_ema_weights(ema_straight: Path):
     assert (printed["step"], printed["checkpoint"]) == (16, str(latest))
     assert (printed["loss"], printed["accuracy"]) == val_metrics(ema_straight)[16]  # same ranks, same sums
 
-    ema = {k[len("module."):]: v for k, v in checkpoint_file(ema_straight, "ema.pt").items() if k.startswith("module.")}
+    ema = checkpoint_file(ema_straight, "ema")
     assert digits_metrics(ema)["loss"] == pytest.approx(printed["loss"], rel=1e-5)
     # The raw weights must give other numbers, or the checks above could not tell which weights eval used.
     assert digits_metrics(checkpoint_file(ema_straight))["loss"] != pytest.approx(printed["loss"], rel=1e-2)

@@ -101,9 +101,9 @@ def test_corrupt_latest_checkpoint_falls_back_and_says_so(tmp_path: Path, straig
     run_dir = tmp_path / "run"
     train(run_dir, 2, "train.max_steps=24", "data.num_workers=1", "ckpt.every_steps=4", "train.stop_at_step=8")
     assert checkpoints(run_dir) == ["step_00000004", "step_00000008"]
-    flip_byte(run_dir / "checkpoints" / "step_00000008" / "optim.pt")
+    flip_byte(run_dir / "checkpoints" / "step_00000008" / "dcp" / "__0_0.distcp")
     resumed = train(run_dir, 2, "train.max_steps=24", "data.num_workers=1", "ckpt.every_steps=4")
-    assert "skipping checkpoint" in resumed.stderr and "step_00000008: optim.pt: checksum mismatch" in resumed.stderr
+    assert "skipping checkpoint" in resumed.stderr and "step_00000008: dcp/__0_0.distcp: checksum mismatch" in resumed.stderr
     assert "resumed from" in resumed.stderr and "step_00000004 at step 4" in resumed.stderr
     assert train_losses(run_dir) == train_losses(straight)  # steps 5-8 were redone the same way
 
@@ -111,7 +111,7 @@ def test_corrupt_latest_checkpoint_falls_back_and_says_so(tmp_path: Path, straig
 def test_only_corrupt_checkpoints_is_an_error_that_deletes_nothing(tmp_path: Path):
     run_dir = tmp_path / "run"
     train(run_dir, 1, "train.max_steps=6", "train.stop_at_step=3")
-    model = run_dir / "checkpoints" / "step_00000003" / "model.pt"
+    model = run_dir / "checkpoints" / "step_00000003" / "dcp" / "__0_0.distcp"
     model.write_bytes(model.read_bytes()[:100])  # truncated
     before = sorted(str(p) for p in run_dir.rglob("*"))
     failed = train(run_dir, 2, "train.max_steps=6", expect=2)

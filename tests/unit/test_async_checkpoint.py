@@ -1,6 +1,6 @@
-"""Asynchronous checkpoints: the same bytes as a synchronous save, taken at the moment of the call
-(training may change the live state at once), failures reported at the next save, and a kill during
-the background write leaves the previous checkpoint valid."""
+"""Asynchronous checkpoints (DCP's async_save inside hpctrain's integrity layer): the same state as a synchronous
+save, taken at the moment of the call (training may change the live state at once), failures reported at the next
+save, and a kill during the background write leaves the previous checkpoint valid."""
 
 import os
 import signal
@@ -22,7 +22,9 @@ from hpctrain.dist.runtime import single_process_runtime
 from hpctrain.errors import UserError
 from hpctrain.train.ema import build_ema
 from hpctrain.train.optim import build_optimizer, build_scheduler
+from hpctrain.train.rng import capture_rng
 from hpctrain.train.state import TrainState
+from tests.conftest import checkpoint_tensors
 
 SINGLE = single_process_runtime(torch.device("cpu"))
 
@@ -55,70 +57,88 @@ def file_entries(path: Path) -> dict:
     return storage.check_checkpoint(path).manifest["files"]
 
 
-def test_async_save_writes_the_same_bytes_as_a_sync_save_taken_at_the_call(tmp_path: Path):
+def save(ckpt: Checkpointer, state: TrainState, stateful: dict, wait: bool = False) -> None:
+    ckpt.save(state.to_dict(), stateful, capture_rng(SINGLE.device), wait=wait)
+
+
+def test_async_save_holds_the_same_state_as_a_sync_save_taken_at_the_call(tmp_path: Path):
     stateful = training_state()
     state = TrainState(step=3, epoch=0, step_in_epoch=3, samples_seen=12)
     torch.manual_seed(1)  # the RNG state both saves capture
-    Checkpointer(tmp_path / "sync", "toy", SINGLE, "x = 1\n", 3, async_save=False).save(state, stateful)
+    save(Checkpointer(tmp_path / "sync", "toy", SINGLE, "x = 1\n", 3, async_save=False), state, stateful)
     torch.manual_seed(1)
     background = Checkpointer(tmp_path / "async", "toy", SINGLE, "x = 1\n", 3, async_save=True)
-    background.save(state, stateful)
+    save(background, state, stateful)
     before = {k: v.clone() for k, v in stateful["model"].state_dict().items()}
     for _ in range(2):  # training goes on while the write runs: it must not leak into the checkpoint
         train_step(stateful)
     assert any(not torch.equal(before[k], v) for k, v in stateful["model"].state_dict().items())
     background.settle()
-    sync = file_entries(tmp_path / "sync" / "checkpoints" / "step_00000003")
-    written = file_entries(tmp_path / "async" / "checkpoints" / "step_00000003")
-    assert set(sync) == {"model.pt", "optim.pt", "ema.pt", "rng.pt", "state.json", "config.toml"}
-    assert written == sync  # every file: same size and sha256
+    sync_dir = tmp_path / "sync" / "checkpoints" / "step_00000003"
+    async_dir = tmp_path / "async" / "checkpoints" / "step_00000003"
+    sync, written = file_entries(sync_dir), file_entries(async_dir)
+    assert set(sync) == set(written) == {"dcp/.metadata", "dcp/__0_0.distcp", "train.pt", "rng.pt", "state.json",
+                                         "config.toml"}
+    for name in ("train.pt", "rng.pt", "state.json", "config.toml"):  # rank 0's files: byte for byte
+        assert written[name] == sync[name], name
+    for part in ("model", "optim", "ema"):  # DCP's files: every tensor, read back with torch's own converter
+        a, b = checkpoint_tensors(sync_dir, part), checkpoint_tensors(async_dir, part)
+        assert a.keys() == b.keys() and a
+        for key in a:
+            if isinstance(a[key], torch.Tensor):
+                assert torch.equal(a[key], b[key]), (part, key)
+            else:
+                assert a[key] == b[key], (part, key)
+    assert checkpoint_tensors(sync_dir)["0.weight"].equal(before["0.weight"])  # the state at the call
 
 
 def test_a_later_save_waits_for_the_earlier_write(tmp_path: Path, monkeypatch):
     spans: list[tuple[int, float, float]] = []
-    real = storage.write_checkpoint
+    real = storage.finish_checkpoint
 
-    def slow_write(root, step, files, meta):
+    def slow_finish(root, tmp, step, entries, meta):
         start = time.perf_counter()
         time.sleep(0.3)
-        path = real(root, step, files, meta)
+        path = real(root, tmp, step, entries, meta)
         spans.append((step, start, time.perf_counter()))
         return path
 
-    monkeypatch.setattr(storage, "write_checkpoint", slow_write)
+    monkeypatch.setattr(storage, "finish_checkpoint", slow_finish)
     stateful = training_state(1)
     ckpt = Checkpointer(tmp_path, "toy", SINGLE, "", 5, async_save=True)
+    save(ckpt, TrainState(step=1), stateful)  # the first save sets up DCP's staging: not timed
+    ckpt.settle()
+    spans.clear()
     started = time.perf_counter()
-    state = TrainState(step=1)
-    ckpt.save(state, stateful)
+    save(ckpt, TrainState(step=2), stateful)
     assert time.perf_counter() - started < 0.25, "the save call waited for the write"
-    state.advance(4, 100)  # the loop moves on at once: the write must still be step 1's
-    ckpt.save(TrainState(step=2), stateful)  # must wait for step 1's write before starting its own
-    ckpt.save(TrainState(step=3), stateful, wait=True)
-    assert [s for s, _, _ in spans] == [1, 2, 3]
+    save(ckpt, TrainState(step=3), stateful)  # must wait for step 2's write before starting its own
+    save(ckpt, TrainState(step=4), stateful, wait=True)
+    assert [s for s, _, _ in spans] == [2, 3, 4]
     for (_, _, end), (_, start, _) in zip(spans, spans[1:]):
         assert start >= end
     assert [p.name for p in storage.list_checkpoints(tmp_path / "checkpoints")] == [
-        "step_00000003", "step_00000002", "step_00000001"]
-    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000003"
+        "step_00000004", "step_00000003", "step_00000002", "step_00000001"]
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000004"
 
 
 def test_a_failed_background_write_raises_at_the_next_save_and_names_its_step(tmp_path: Path, monkeypatch):
     ckpt = Checkpointer(tmp_path, "toy", SINGLE, "", 3, async_save=True)
     stateful = training_state(1)
-    ckpt.save(TrainState(step=1), stateful)
+    save(ckpt, TrainState(step=1), stateful)
     ckpt.settle()
 
-    def full_disk(root, step, files, meta):
+    def full_disk(root, tmp, step, entries, meta):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(storage, "write_checkpoint", full_disk)
-    ckpt.save(TrainState(step=2), stateful)  # the failure happens in the background
+    monkeypatch.setattr(storage, "finish_checkpoint", full_disk)
+    save(ckpt, TrainState(step=2), stateful)  # the failure happens in the background
     with pytest.raises(UserError, match="saving checkpoint at step 2 .* No space left on device") as err:
-        ckpt.save(TrainState(step=3), stateful)
+        save(ckpt, TrainState(step=3), stateful)
     assert "previous checkpoint is intact" in str(err.value)
     chosen, _ = storage.find_latest_valid(tmp_path / "checkpoints")
     assert chosen.path.name == "step_00000001"
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))  # the failed save's files are gone
 
 
 CHILD = textwrap.dedent("""
@@ -127,23 +147,23 @@ CHILD = textwrap.dedent("""
     from hpctrain.checkpoint import storage
     from hpctrain.checkpoint.manager import Checkpointer
     from hpctrain.train.state import TrainState
-    from tests.unit.test_async_checkpoint import SINGLE, training_state, train_step
+    from tests.unit.test_async_checkpoint import SINGLE, save, training_state, train_step
 
     root = Path(sys.argv[1])
     stateful = training_state(1)
     ckpt = Checkpointer(root, "toy", SINGLE, "", 3, async_save=True)
-    ckpt.save(TrainState(step=1), stateful, wait=True)
-    real = storage._write_file
+    save(ckpt, TrainState(step=1), stateful, wait=True)
+    real = storage.hash_file
 
-    def stalling_write(path, payload):
-        entry = real(path, payload)
-        if path.name == "model.pt" and threading.current_thread().name != "MainThread":
-            print("WRITING", flush=True)  # model.pt is on disk in the temporary directory; the rest never comes
+    def stalling_hash(path):
+        entry = real(path)
+        if threading.current_thread().name != "MainThread":
+            print("WRITING", flush=True)  # DCP's files are on disk in the temporary directory; no manifest comes
             time.sleep(600)
         return entry
 
-    storage._write_file = stalling_write
-    ckpt.save(TrainState(step=2), stateful)
+    storage.hash_file = stalling_hash
+    save(ckpt, TrainState(step=2), stateful)
     print("TRAINING", flush=True)
     while True:
         train_step(stateful)
@@ -172,8 +192,8 @@ def test_a_kill_during_the_background_write_leaves_the_previous_checkpoint_loada
     chosen, skipped = storage.find_latest_valid(root)
     assert chosen.path.name == "step_00000001" and not skipped
     restored = training_state(0)
-    resumed = Checkpointer(tmp_path, "toy", SINGLE, "", 3, async_save=True).restore("auto", restored, seed=0)
-    assert resumed.state.step == 1
+    resumed = Checkpointer(tmp_path, "toy", SINGLE, "", 3, async_save=True).restore("auto", restored)
+    assert resumed.info["step"] == 1
 
 
 def test_snapshot_keeps_views_and_shared_objects_and_owns_its_memory():

@@ -50,34 +50,46 @@ def stateful() -> dict:
             "scaler": torch.amp.GradScaler("cpu", enabled=False), "ema": None}
 
 
+def save(tmp_path: Path, step: int) -> None:
+    Checkpointer(tmp_path, "toy", SINGLE, "", 3).save(TrainState(step=step).to_dict(), stateful(), capture_rng(CPU))
+
+
+def resume(tmp_path: Path):
+    """What a resumed launch does with the checkpoint's streams (train/run.py)."""
+    resumed = Checkpointer(tmp_path, "toy", SINGLE, "", 3).restore("auto", stateful())
+    assert resumed.rng is not None  # same world size: the saved streams come back
+    restore_rng(resumed.rng, CPU)
+    return resumed
+
+
 def test_numpy_draws_after_a_resume_equal_the_uninterrupted_run(tmp_path: Path):
     np.random.seed(5)
     np.random.rand(7)
-    Checkpointer(tmp_path, "toy", SINGLE, "", 3).save(TrainState(step=4), stateful())
+    save(tmp_path, 4)
     uninterrupted = draws()
     scramble()
-    resumed = Checkpointer(tmp_path, "toy", SINGLE, "", 3).restore("auto", stateful(), seed=0)
-    assert resumed.state.step == 4
+    assert resume(tmp_path).info["step"] == 4
     assert draws() == uninterrupted  # through torch.save and a weights_only load
 
 
 def test_a_checkpoint_without_the_numpy_stream_still_loads(tmp_path: Path):
     """Written as hpctrain did before: the other streams are restored, NumPy's is left as it was."""
-    Checkpointer(tmp_path, "toy", SINGLE, "", 3).save(TrainState(step=2), stateful())
+    import json
+
+    save(tmp_path, 2)
     path = tmp_path / "checkpoints" / "step_00000002"
     entries = storage.load_file(path, "rng.pt")
     assert "numpy" in entries[0]
     old = [{k: v for k, v in e.items() if k != "numpy"} for e in entries]
-    files = {name: storage.load_file(path, name) for name in ("model.pt", "optim.pt")}
-    files |= {"rng.pt": old, "state.json": (path / "state.json").read_text(), "config.toml": ""}
-    storage.write_checkpoint(tmp_path / "checkpoints", 2, files, {"experiment": "toy", "epoch": 0, "world_size": 1})
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"] |= storage.write_files(path, {"rng.pt": old})  # a valid checkpoint with the old rng.pt
+    (path / "manifest.json").write_text(json.dumps(manifest))
     torch.set_rng_state(old[0]["torch"])
     expected_torch = torch.rand(3)
     np.random.seed(11)
     expected_numpy = np.random.rand(3)
     np.random.seed(11)
     torch.manual_seed(99)
-    resumed = Checkpointer(tmp_path, "toy", SINGLE, "", 3).restore("auto", stateful(), seed=0)
-    assert resumed.state.step == 2
+    assert resume(tmp_path).info["step"] == 2
     assert torch.equal(torch.rand(3), expected_torch)  # the streams it has are restored
     np.testing.assert_array_equal(np.random.rand(3), expected_numpy)  # the one it lacks is left alone

@@ -197,7 +197,7 @@ def test_png_sink_writes_numpy_grid(tmp_path: Path):
 
 
 class _Counter:
-    """Experiment state: what a checkpoint's experiment.pt holds."""
+    """Experiment state: what a checkpoint's train.pt holds under "experiment"."""
 
     def __init__(self, seen: int = 0) -> None:
         self.seen = seen
@@ -216,18 +216,21 @@ def test_experiment_state_round_trips_through_a_checkpoint(tmp_path: Path, caplo
     from tests.unit.test_async_checkpoint import training_state
 
     rt = single_process_runtime(torch.device("cpu"))
+    rng = {"python": None}
     saved = training_state(1)
     saved["experiment"] = _Counter(seen=7)
-    Checkpointer(tmp_path, "toy", rt, "x = 1\n", 3).save(TrainState(step=1, global_batch_size=8), saved, wait=True)
+    Checkpointer(tmp_path, "toy", rt, "x = 1\n", 3).save(TrainState(step=1, global_batch_size=8).to_dict(), saved, rng,
+                                                     wait=True)
     fresh = training_state(0)
     fresh["experiment"] = _Counter()
-    Checkpointer(tmp_path, "toy", rt, "x = 1\n", 3).restore("auto", fresh, seed=0)
+    Checkpointer(tmp_path, "toy", rt, "x = 1\n", 3).restore("auto", fresh)
     assert fresh["experiment"].seen == 7
     # A checkpoint without experiment state (an older version of the experiment): it starts fresh, with a warning.
     del saved["experiment"]
-    Checkpointer(tmp_path / "old", "toy", rt, "x = 1\n", 3).save(TrainState(step=1, global_batch_size=8), saved, wait=True)
+    Checkpointer(tmp_path / "old", "toy", rt, "x = 1\n", 3).save(TrainState(step=1, global_batch_size=8).to_dict(), saved,
+                                                              rng, wait=True)
     fresh["experiment"] = _Counter()
-    Checkpointer(tmp_path / "old", "toy", rt, "x = 1\n", 3).restore("auto", fresh, seed=0)
+    Checkpointer(tmp_path / "old", "toy", rt, "x = 1\n", 3).restore("auto", fresh)
     assert fresh["experiment"].seen == 0 and "holds no experiment state" in caplog.text
 
 

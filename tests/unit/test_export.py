@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpctrain.checkpoint import storage
 from hpctrain.cli import main
 from hpctrain.config import config_to_toml
 from hpctrain.train.export import ModelCard, export_run, render_model_card
 from hpctrain.train.entry import resolve
+from tests.conftest import write_dcp_checkpoint
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "ddpm_cifar10_tiny.toml"
 
@@ -84,13 +84,12 @@ def fake_run(run_dir: Path, ema: bool = True) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = cls(cfg).build_model().state_dict()
     shipped = {k: (v + 0.5 if v.is_floating_point() else v.clone()) for k, v in model.items()}
-    files = {"model.pt": model, "config.toml": text,
+    files = {"config.toml": text,
              "state.json": json.dumps({"step": 7, "epoch": 1, "step_in_epoch": 2, "samples_seen": 112,
                                        "global_batch_size": 16, "world_size": 1})}
-    if ema:
-        files["ema.pt"] = {**{f"module.{k}": v for k, v in shipped.items()}, "n_averaged": torch.tensor(7)}
-    storage.write_checkpoint(run_dir / "checkpoints", 7, files, {"experiment": "ddpm_cifar10", "epoch": 1,
-                                                                 "world_size": 1})
+    parts = {"model": model, **({"ema": shipped} if ema else {})}
+    write_dcp_checkpoint(run_dir / "checkpoints", 7, parts, files, {"experiment": "ddpm_cifar10", "epoch": 1,
+                                                                    "world_size": 1})
     with open(run_dir / "metrics.jsonl", "w") as f:
         for step, loss in ((5, 1.5), (7, 0.25), (9, 0.125)):  # step 9: after the exported checkpoint
             f.write(json.dumps({"step": step, "split": "val", "epoch": 1, "time": 1.0, "loss": loss}) + "\n")

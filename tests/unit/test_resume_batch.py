@@ -15,6 +15,7 @@ from hpctrain.cli import main
 from hpctrain.dist.runtime import single_process_runtime
 from hpctrain.errors import UserError
 from hpctrain.train.state import TrainState, continue_with_batch
+from tests.conftest import write_dcp_checkpoint
 
 SINGLE = single_process_runtime(torch.device("cpu"))
 SAVED = TrainState(step=20, epoch=1, step_in_epoch=6, samples_seen=800, global_batch_size=40)
@@ -25,7 +26,7 @@ def test_the_checkpoint_records_the_global_batch(tmp_path: Path):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     stateful = {"model": model, "optimizer": optimizer, "scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
                 "scaler": torch.amp.GradScaler("cpu", enabled=False), "ema": None}
-    Checkpointer(tmp_path, "toy", SINGLE, "", 3).save(SAVED, stateful)
+    Checkpointer(tmp_path, "toy", SINGLE, "", 3).save(SAVED.to_dict(), stateful, {"python": None})
     saved = json.loads((tmp_path / "checkpoints" / "step_00000020" / "state.json").read_text())
     assert saved["global_batch_size"] == 40 and saved["step_in_epoch"] == 6
     assert TrainState.from_dict(saved) == SAVED
@@ -79,8 +80,10 @@ def test_changed_batch_stops_before_launch_and_writes_nothing(capsys, tmp_path: 
 def test_eval_loads_a_checkpoint_without_the_field(tmp_path: Path):
     model = nn.Linear(3, 2)
     old_state = {"step": 5, "epoch": 0, "step_in_epoch": 5, "samples_seen": 200, "world_size": 1}
-    files = {"model.pt": nn.Linear(3, 2).state_dict(), "state.json": json.dumps(old_state)}
-    storage.write_checkpoint(tmp_path / "checkpoints", 5, files, {"experiment": "toy"})
+    saved = nn.Linear(3, 2).state_dict()
+    write_dcp_checkpoint(tmp_path / "checkpoints", 5, {"model": saved}, {"state.json": json.dumps(old_state)},
+                         {"experiment": "toy"})
     loaded = Checkpointer(tmp_path, "toy", SINGLE, "", 3).restore_weights("auto", model)
-    assert loaded.state.step == 5 and loaded.state.global_batch_size == 0
-    assert torch.equal(model.weight, files["model.pt"]["weight"])
+    state = TrainState.from_dict(loaded.info)
+    assert state.step == 5 and state.global_batch_size == 0
+    assert torch.equal(model.weight, saved["weight"])

@@ -1,38 +1,49 @@
-"""Saving and restoring a whole training run across ranks.
+"""Saving and restoring a whole training run across ranks, under any dist.strategy, in one format.
 
-Under DDP every rank holds the same model and optimizer state, so rank 0 writes
-them; each rank's RNG state is gathered to rank 0 and written with them. The
-outcome of rank 0's write is broadcast, so a failed save (full disk, I/O error)
-raises on every rank instead of leaving the others waiting at a barrier. With
-ckpt.async_save, rank 0 writes from a CPU snapshot in a background thread and
-the outcome is broadcast at the next save (or when the loop ends). Both kinds of
-save write CPU tensors (a GPU run's files load anywhere, and are the same bytes).
+The tensors (model, optimizer, EMA) go through torch.distributed.checkpoint: every rank writes its part and
+reads back what it holds, so a checkpoint written by W processes under ddp, zero1 or fsdp loads on W' processes
+under any of them (state_dicts.py names everything by parameter). hpctrain's guarantees sit around it
+(storage.py): a temporary directory renamed when complete, a manifest with every rank's file hashes written
+last, ``latest``, keep-last-k, fallback to the previous checkpoint on damage, refusal of another experiment's
+checkpoint. The small rest (scheduler, scaler, each rank's random streams, the train state) rank 0 writes, and a
+resume reads once and sends to every rank.
 
-A resume reads the checkpoint once: rank 0 reads each file and sends its bytes to
-the other ranks over the data plane, and scatters each rank its own RNG entry.
+This package knows nothing of training: the caller passes the train state's fields and this rank's random
+streams, and gets them back (checkpoint/ does not import train/).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Iterator, Mapping, TypeVar
 
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from hpctrain.checkpoint import policy, storage
+from hpctrain.checkpoint import state_dicts as dcp_state
 from hpctrain.checkpoint.background import BackgroundWriter
-from hpctrain.checkpoint.snapshot import CpuStaging
+from hpctrain.checkpoint.snapshot import cpu_snapshot
 from hpctrain.checkpoint.storage import Checked
-from hpctrain.dist.collectives import barrier, broadcast_bytes, broadcast_object, gather_to_main, scatter_objects
+from hpctrain.dist.collectives import (
+    barrier, broadcast_bytes, broadcast_object, broadcast_state, gather_objects, gather_to_main, scatter_objects,
+)
 from hpctrain.dist.runtime import Runtime
 from hpctrain.errors import UserError, on_every_rank
-from hpctrain.train.rng import capture_rng, restore_rng, seed_rank_streams
-from hpctrain.train.state import TrainState
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -73,19 +84,18 @@ def select_checkpoint(
     return chosen, skipped
 
 
-def read_state(path: Path) -> TrainState | None:
-    """A checkpoint's train state, or None when unreadable (the workers' checksum verification reports it)."""
-    try:
-        return TrainState.from_dict(json.loads((path / "state.json").read_text()))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
 @dataclass(frozen=True)
 class Resumed:
     path: Path
-    state: TrainState
+    info: dict[str, Any]
+    """state.json: the train state's fields (step, epoch, step_in_epoch, samples_seen, global_batch_size),
+    world_size and strategy."""
     saved_world_size: int
+    rng: dict[str, Any] | None = None
+    """This rank's random streams as saved, when the world size is unchanged; None otherwise (the caller
+    re-seeds them)."""
+    parts: frozenset[str] = frozenset()
+    """What the checkpoint's DCP part holds: model, optim, ema."""
 
 
 @dataclass(frozen=True)
@@ -99,10 +109,39 @@ class SaveOutcome:
     """The failure was an OSError (full disk, quota, permissions): the user's to fix."""
 
 
+@dataclass(frozen=True)
+class _Save:
+    """One save's identity and its rank-0 payload, bound when the save starts (training goes on meanwhile)."""
+
+    step: int
+    tmp: Path
+    small: dict[str, Any]
+    """train.pt: scheduler, scaler, EMA count, experiment state (a CPU copy)."""
+    rng: list[Any] | None
+    """Every rank's random streams (rank 0), for rng.pt."""
+    info: dict[str, Any]
+    """state.json."""
+    meta: dict[str, Any]
+    """The manifest's own fields."""
+
+
 class Checkpointer:
+    """Collective saves and loads of a whole run, in torch.distributed.checkpoint format (see storage.py).
+
+    Every rank writes its own part (dcp/__R_*.distcp) and hashes it; rank 0 gathers the hashes, writes the small
+    rank-0 files, the manifest last, renames the directory into place and moves ``latest``. The outcome is
+    broadcast, so a failed save (full disk, I/O error) raises on every rank instead of leaving the others waiting.
+
+    With ckpt.async_save, DCP's async_save copies the tensors to CPU memory (the whole pause) and writes them in a
+    thread; a thread of hpctrain's per rank then waits for that write, hashes the rank's files and joins rank 0's
+    gather, and rank 0's thread finishes the checkpoint. Those threads' collectives run on a gloo group of their
+    own: on the default group, or the control plane, they would interleave with the training loop's (measured:
+    a deadlock). The outcome reaches every rank at the next save or when the loop ends (settle).
+    """
+
     def __init__(
         self, run_dir: Path, experiment: str, runtime: Runtime, config_text: str, keep_last: int,
-        async_save: bool = False,
+        async_save: bool = False, strategy: str = "ddp", control_timeout_s: float = 3600.0,
     ) -> None:
         self.root = run_dir / "checkpoints"
         self.experiment = experiment
@@ -110,78 +149,160 @@ class Checkpointer:
         self.config_text = config_text
         self.keep_last = keep_last
         self.async_save = async_save
+        self.strategy = strategy
         self._writer: BackgroundWriter[SaveOutcome] = BackgroundWriter()
-        self._staging = CpuStaging()
+        self._stager: Any = None
+        # Made here, when every rank builds its Checkpointer at the same point (new_group is a collective).
+        self._async_group = None
+        if async_save and runtime.distributed:
+            self._async_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=control_timeout_s))
 
-    def save(self, state: TrainState, stateful: Mapping[str, Any], wait: bool = False) -> None:
-        """Collective: every rank calls it at the same step. With async_save (and not ``wait``) rank 0
-        copies the state to CPU memory and writes it in the background: training pauses only for the
-        copy. A save first waits for the previous background write, and a failure of that write
-        raises here, on every rank."""
+    # ---- saving -------------------------------------------------------------------------------------------
+
+    def save(self, info: Mapping[str, Any], stateful: Mapping[str, Any], rng: Any, wait: bool = False) -> None:
+        """Collective: every rank calls it at the same step, with the train state's fields (``info``) and its own
+        random streams (``rng``). With async_save (and not ``wait``) training pauses only for the copy to CPU. A
+        save first waits for the previous background write, and a failure of that write raises here, on every
+        rank."""
         self.settle()
-        rng = gather_to_main(capture_rng(self.runtime.device), self.runtime)  # None on the other ranks
-        outcome = self._save_on_main(state, stateful, rng, background=self.async_save and not wait) if self.runtime.is_main else None
-        _raise_if_failed(broadcast_object(outcome, self.runtime), self.root)
+        started = time.perf_counter()
+        job = self._begin(info, stateful, rng)
+        tensors, error = _local(lambda: dcp_state.tensor_state(stateful))
+        if not all(ok for ok in gather_objects(not error, self.runtime)):  # no rank enters DCP's collectives alone
+            self._finish(job, {}, error or "another rank failed to collect its state", None)  # raises everywhere
+            return
+        if self.async_save and not wait:
+            self._save_in_background(job, tensors, started)
+        else:
+            entries, error = _local(lambda: self._write_tensors(job.tmp, tensors))
+            self._finish(job, entries or {}, error, None, started)
 
     def settle(self) -> None:
         """Collective: wait for a background write still running; its failure raises on every rank.
         The training loop calls it before it leaves, so a finished run's checkpoint is on disk."""
         if not self.async_save:
             return
-        outcome = self._writer.wait() if self.runtime.is_main else None
+        outcome = self._writer.wait()  # rank 0's thread returns the outcome; the others' return None
         _raise_if_failed(broadcast_object(outcome, self.runtime), self.root)
 
-    def _save_on_main(self, state: TrainState, stateful: Mapping[str, Any], rng: list[Any], background: bool) -> SaveOutcome:
-        started = time.perf_counter()
-        try:
-            files = self._files(state, stateful, rng)
-            if not background:
-                # CPU tensors, as the background save writes: the live state's CUDA tensors would be written
-                # tagged with their device (other bytes than an async save's, and a load that needs a
-                # map_location). Only device tensors are copied: on a CPU-only run this copies nothing.
-                files = self._staging.snapshot(files, copy_cpu_tensors=False)
-                return self._write(state.step, files, self._meta(state), started, paused_s=None)
-            # The copy is the whole pause: after it, training may change every live tensor.
-            files = self._staging.snapshot(files)
-        except Exception as err:  # any failure must reach the other ranks, not leave them waiting
-            return _failed(state.step, err)
-        paused = time.perf_counter() - started
-        # Bound now: the loop advances `state` while the thread runs.
-        step, meta = state.step, self._meta(state)
-        self._writer.submit(lambda: self._write(step, files, meta, time.perf_counter(), paused_s=paused))
-        return SaveOutcome(step)
+    def close(self) -> None:
+        """Release the staging buffers (after the last settle)."""
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
-    def _write(self, step: int, files: dict[str, Any], meta: dict[str, Any], started: float, paused_s: float | None) -> SaveOutcome:
+    def _begin(self, info: Mapping[str, Any], stateful: Mapping[str, Any], rng: Any) -> _Save:
+        """Rank 0 makes the save's temporary directory and takes the small state; every rank learns the directory
+        (or rank 0's failure, raised everywhere)."""
+        step = int(info["step"])
+        rngs = gather_to_main(rng, self.runtime)
+        made: tuple[str, str, bool] = ("", "", False)
+        small: dict[str, Any] = {}
+        if self.runtime.is_main:
+            try:
+                small = cpu_snapshot(dcp_state.small_state(stateful))  # training changes the live state next step
+                made = (str(storage.new_temporary(self.root, step)), "", False)
+            except Exception as err:  # must reach the other ranks, not leave them waiting
+                made = ("", f"{type(err).__name__}: {err}", isinstance(err, OSError))
+        tmp, error, is_io = broadcast_object(made, self.runtime)
+        if error:
+            _raise_if_failed(SaveOutcome(step, error, is_io), self.root)
+        meta = {"experiment": self.experiment, "epoch": int(info["epoch"]), "world_size": self.runtime.world_size,
+                "strategy": self.strategy, "parts": sorted(["model", "optim"] + (["ema"] if stateful.get("ema") is not None else []))}
+        state_json = dict(info) | {"world_size": self.runtime.world_size, "strategy": self.strategy}
+        return _Save(step, Path(tmp), small, rngs, state_json, meta)
+
+    def _write_tensors(self, tmp: Path, tensors: dict[str, Any]) -> dict[str, Any]:
+        """Collective (DCP's own plan and result exchange, on the control plane): every rank writes its part; returns
+        this rank's manifest entries. An exception on any rank is raised by DCP on every rank."""
+        with _single_process_is_meant():
+            dcp.save(tensors, storage_writer=FileSystemWriter(str(tmp / dcp_state.DCP_DIR)),
+                     planner=dcp_state.save_planner(), process_group=self.runtime.control,
+                     no_dist=not self.runtime.distributed)
+        return self._hash_own(tmp)
+
+    def _hash_own(self, tmp: Path) -> dict[str, Any]:
+        """The files this rank wrote (DCP names them __<rank>_<n>.distcp; rank 0 also writes .metadata), hashed by
+        this rank: the manifest's checksums cost every rank a read of its own part, not rank 0 a read of all."""
+        folder = tmp / dcp_state.DCP_DIR
+        mine = sorted(folder.glob(f"__{self.runtime.rank}_*.distcp"))
+        if self.runtime.is_main:
+            mine.append(folder / ".metadata")
+        return {f"{dcp_state.DCP_DIR}/{p.name}": storage.hash_file(p) for p in mine}
+
+    def _save_in_background(self, job: _Save, tensors: dict[str, Any], started: float) -> None:
+        if self._stager is None:
+            cuda = self.runtime.device.type == "cuda"
+            # Pinned buffers and non-blocking copies need CUDA (DCP's default stager refuses them without it); the
+            # stager keeps its CPU buffers from one save to the next.
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=cuda))
         try:
-            path = storage.write_checkpoint(self.root, step, files, meta)
-            seconds = time.perf_counter() - started
+            with _single_process_is_meant():
+                future = dcp.async_save(tensors, storage_writer=FileSystemWriter(str(job.tmp / dcp_state.DCP_DIR)),
+                                        planner=dcp_state.save_planner(), process_group=self._async_group,
+                                        async_stager=self._stager, no_dist=not self.runtime.distributed)
+            paused, error = time.perf_counter() - started, ""
+        except (Exception, CheckpointException) as err:  # staging failed (out of host memory): all ranks hear of it
+            future, paused, error = None, 0.0, describe_error(err)
+        # Whether every rank started its write: a rank that did not would leave the others' threads waiting in DCP.
+        if not all(ok for ok in gather_objects(not error, self.runtime)):
+            # The writes that did start wait in DCP's collectives for the missing rank, until the group's timeout
+            # (dist.control_timeout_s) fails them; the checkpoint is dropped and every rank raises now.
+            self._finish(job, {}, error or "another rank failed to start its write", None)
+            return
+
+        def complete() -> SaveOutcome:
+            entries, error = _local(lambda: (future.result(), self._hash_own(job.tmp))[1])
+            return self._complete(job, entries or {}, error, self._async_group, time.perf_counter() - started, paused)
+
+        self._writer.submit(complete)
+
+    def _finish(self, job: _Save, entries: dict[str, Any], error: str, group: Any, started: float | None = None) -> None:
+        """Collective (control plane): complete a synchronous save, or raise its failure on every rank."""
+        seconds = time.perf_counter() - started if started is not None else 0.0
+        outcome = self._complete(job, entries, error, group, seconds, None)
+        _raise_if_failed(broadcast_object(outcome, self.runtime), self.root)
+
+    def _complete(self, job: _Save, entries: dict[str, Any], error: str, group: Any, seconds: float,
+                  paused: float | None) -> SaveOutcome | None:
+        """Collective on ``group`` (the control plane, or the background writers' own): rank 0 gathers every rank's
+        file hashes or error, and finishes the checkpoint or drops it; returns the outcome on rank 0, None elsewhere.
+        Never raises: it may run in a thread."""
+        try:
+            parts = gather_to_main((entries, error), self.runtime, group)
+        except Exception as err:  # the group failed (a rank died): rank 0 cannot finish this one
+            parts, error = None, f"gathering the ranks' file hashes failed: {type(err).__name__}: {err}"
+            if self.runtime.is_main:
+                storage.discard(job.tmp)
+                return _failed(job.step, RuntimeError(error))
+        if not self.runtime.is_main:
+            return None
+        return self._write_rest(job, parts or [], seconds, paused)
+
+    def _write_rest(self, job: _Save, parts: list[tuple[dict[str, Any], str]], seconds: float,
+                    paused: float | None) -> SaveOutcome:
+        errors = [f"rank {rank}: {err}" for rank, (_, err) in enumerate(parts) if err]
+        if errors:
+            storage.discard(job.tmp)
+            return SaveOutcome(job.step, "; ".join(errors[:3]), any("[Errno" in e for e in errors))
+        try:
+            files = {dcp_state.TRAIN_FILE: job.small, "rng.pt": job.rng, "config.toml": self.config_text,
+                     "state.json": json.dumps(job.info, indent=1)}
+            merged = {name: entry for rank_entries, _ in parts for name, entry in rank_entries.items()}
+            merged |= storage.write_files(job.tmp, files)
+            path = storage.finish_checkpoint(self.root, job.tmp, job.step, merged, job.meta)
             self._retire_old(path)
-            size = sum(f.stat().st_size for f in path.iterdir())
         except Exception as err:
-            return _failed(step, err)
-        if paused_s is None:
-            log.info("saved checkpoint %s (%.1f MB in %.0f ms)", path, size / 1e6, seconds * 1000)
+            storage.discard(job.tmp)
+            return _failed(job.step, err)
+        size = sum(e["bytes"] for e in merged.values()) / 1e6
+        if paused is None:
+            log.info("saved checkpoint %s (%.1f MB in %.0f ms)", path, size, seconds * 1000)
         else:
             log.info("saved checkpoint %s (%.1f MB; training paused %.0f ms for the copy, written in the background "
-                     "in %.0f ms)", path, size / 1e6, paused_s * 1000, seconds * 1000)
-        return SaveOutcome(step)
-
-    def _files(self, state: TrainState, stateful: Mapping[str, Any], rng: list[Any]) -> dict[str, Any]:
-        files: dict[str, Any] = {
-            "model.pt": stateful["model"].state_dict(),
-            "optim.pt": {k: stateful[k].state_dict() for k in ("optimizer", "scheduler", "scaler")},
-            "rng.pt": rng,
-            "state.json": json.dumps(state.to_dict() | {"world_size": self.runtime.world_size}, indent=1),
-            "config.toml": self.config_text,
-        }
-        if stateful.get("ema") is not None:
-            files["ema.pt"] = stateful["ema"].state_dict()
-        if stateful.get("experiment") is not None:
-            files["experiment.pt"] = stateful["experiment"].state_dict()
-        return files
-
-    def _meta(self, state: TrainState) -> dict[str, Any]:
-        return {"experiment": self.experiment, "epoch": state.epoch, "world_size": self.runtime.world_size}
+                     "in %.0f ms)", path, size, paused * 1000, seconds * 1000)
+        return SaveOutcome(job.step)
 
     def _retire_old(self, newest: Path) -> None:
         storage.remove_stale_temporaries(self.root)
@@ -194,26 +315,102 @@ class Checkpointer:
         for step in policy.steps_to_delete(sorted(valid), self.keep_last, protected):
             shutil.rmtree(valid[step], ignore_errors=True)
 
-    def restore(self, resume: str, stateful: Mapping[str, Any], seed: int) -> Resumed | None:
-        """Collective: rank 0 picks and verifies the checkpoint, every rank loads it (from rank 0's one read)."""
-        chosen = self._choose(resume)
-        return self._load(chosen, stateful, seed) if chosen else None
+    # ---- loading ------------------------------------------------------------------------------------------
 
-    def restore_weights(self, resume: str, model: nn.Module) -> Resumed:
-        """Collective: load only the weights to use (the EMA ones when the checkpoint has them)."""
+    def restore(self, resume: str, stateful: Mapping[str, Any]) -> Resumed | None:
+        """Collective: rank 0 picks and verifies the checkpoint; every rank loads what it holds of it (DCP reads
+        each rank's shards, resharding from any world size and strategy). None for a fresh start."""
+        chosen = self._choose(resume)
+        return self._load(chosen, stateful) if chosen else None
+
+    def restore_weights(self, resume: str, model: nn.Module, weights: str = "auto") -> Resumed:
+        """Collective (the choice): load only one set of weights into a plain module: ``weights`` auto (the EMA ones
+        when the checkpoint has them), ema, or model (the training weights). Each process reads them itself, without
+        a process group (eval, sample, predict, export), from a checkpoint of any strategy and world size."""
         chosen = self._choose(resume)
         if chosen is None:
             raise UserError(
                 f"no checkpoint in '{self.root}'", "train first, or point ckpt.resume (--resume) at a checkpoint directory."
             )
-        if "ema.pt" in chosen.files:
-            # AveragedModel's state dict is {'module.<name>': ..., 'n_averaged': ...}.
-            ema = self._read(chosen.path, "ema.pt")
-            weights = {k[len("module."):]: v for k, v in ema.items() if k.startswith("module.")}
-        else:
-            weights = self._read(chosen.path, "model.pt")
-        _load_into(model, weights, chosen.path)
-        return Resumed(chosen.path, TrainState.from_dict(chosen.info), int(chosen.info["world_size"]))
+        part = ("ema" if "ema" in chosen.parts else "model") if weights == "auto" else weights
+        if part not in chosen.parts:
+            raise on_every_rank(UserError(f"checkpoint '{chosen.path}' holds no EMA weights (the run had "
+                                          "optim.ema_decay=0)", "export the training weights instead (no --ema)."))
+        template = {part: dcp_state.model_weights(model)}
+        self._dcp_load(chosen.path, template, no_dist=True)
+        _fit(lambda: dcp_state.set_model_weights(model, template[part]), chosen.path)
+        return Resumed(chosen.path, chosen.info, int(chosen.info["world_size"]), parts=frozenset({part}))
+
+    def _load(self, chosen: _Chosen, stateful: Mapping[str, Any]) -> Resumed:
+        path, info = chosen.path, chosen.info
+        if stateful.get("ema") is not None and "ema" not in chosen.parts:
+            raise on_every_rank(UserError(f"checkpoint '{path}' has no EMA weights, but optim.ema_decay > 0",
+                                          "set optim.ema_decay=0 or start a new run."))
+        template = dcp_state.tensor_state(stateful)
+        replicated = dcp_state.REPLICATED[self.strategy]
+        self._load_once_and_broadcast(path, {k: v for k, v in template.items() if k in replicated})
+        sharded = {k: v for k, v in template.items() if k not in replicated}
+        if sharded:
+            self._dcp_load(path, sharded, no_dist=False)
+        _fit(lambda: dcp_state.apply_tensor_state(stateful, template), path)
+        self._load_small(chosen, stateful)
+        saved_world = int(info["world_size"])
+        rng = self._own_rng(path) if saved_world == self.runtime.world_size else None
+        saved_strategy = info.get("strategy", "ddp")
+        if saved_strategy != self.strategy and self.runtime.is_main:
+            log.info("checkpoint %s was written under dist.strategy=%s by %d process(es); resharded for %s on %d",
+                     path, saved_strategy, saved_world, self.strategy, self.runtime.world_size)
+        barrier(self.runtime)
+        return Resumed(path, info, saved_world, rng, chosen.parts)
+
+    def _load_once_and_broadcast(self, path: Path, template: dict[str, Any]) -> None:
+        """The parts every rank holds whole (the model under ddp and zero1, the optimizer under ddp): rank 0 reads
+        them, once, and broadcasts them over the training group, as DDP broadcasts its initial weights. With every
+        rank reading, a resume of 512 ranks would read 512 copies from the shared file system."""
+        if not template:
+            return
+        if not self.runtime.distributed:
+            self._dcp_load(path, template, no_dist=True)
+            return
+        error: tuple[str, str] = ("", "")
+        if self.runtime.is_main:
+            try:
+                self._dcp_load(path, template, no_dist=True)
+            except UserError as err:
+                error = (str(err.args[0]), err.hint)
+        message, hint = broadcast_object(error, self.runtime)
+        if message:
+            raise on_every_rank(UserError(message, hint))
+        broadcast_state(template, self.runtime)
+
+    def _dcp_load(self, path: Path, template: dict[str, Any], no_dist: bool) -> None:
+        """DCP fills ``template``'s tensors in place from the checkpoint; every rank reads only what it holds. DCP
+        raises a failure (a missing name, a shape that does not fit, an unreadable file) on every rank."""
+        try:
+            with _single_process_is_meant():
+                dcp.load(template, storage_reader=FileSystemReader(str(path / dcp_state.DCP_DIR)),
+                         planner=dcp_state.SafeLoadPlanner(), process_group=None if no_dist else self.runtime.control,
+                         no_dist=no_dist or not self.runtime.distributed)
+        except (Exception, CheckpointException) as err:  # DCP's exception wraps each rank's failure
+            first = describe_error(err)[:600]
+            raise on_every_rank(UserError(
+                f"cannot load checkpoint '{path}' into this run: {first}",
+                "resume with the [model] options the run was started with (see config.toml in the checkpoint), or "
+                "from another checkpoint (ckpt.resume=PATH), or use a new run.dir.")) from None
+
+    def _load_small(self, chosen: _Chosen, stateful: Mapping[str, Any]) -> None:
+        small = self._read(chosen.path, dcp_state.TRAIN_FILE)
+        stateful["scheduler"].load_state_dict(small["scheduler"])
+        _load_scaler(stateful["scaler"], small["scaler"], chosen.path, self.runtime.is_main)
+        if stateful.get("ema") is not None:
+            stateful["ema"].n_averaged.fill_(int(small.get("ema_n_averaged", 1)))
+        if stateful.get("experiment") is not None:
+            if "experiment" not in small:
+                if self.runtime.is_main:
+                    log.warning("checkpoint '%s' holds no experiment state (saved by an experiment version without "
+                                "any): the experiment's state starts fresh", chosen.path)
+            else:
+                stateful["experiment"].load_state_dict(small["experiment"])
 
     def _choose(self, resume: str) -> _Chosen | None:
         """Rank 0 picks and verifies, and reads state.json; the verdict (the choice, or an error) is broadcast."""
@@ -224,27 +421,22 @@ class Checkpointer:
                 for c in skipped:
                     log.warning("skipping checkpoint %s: %s", c.path, c.problem)
                 if chosen is not None:
-                    choice = (str(chosen.path), sorted(chosen.manifest["files"]), _read_info(chosen.path), ("", ""))
+                    choice = (str(chosen.path), list(chosen.manifest.get("parts", [])), _read_info(chosen.path),
+                              ("", ""))
             except UserError as err:
                 choice = ("", [], {}, (str(err.args[0]), err.hint))
             except Exception as err:  # e.g. an I/O error while verifying: it must reach the other ranks too
                 choice = ("", [], {}, (f"cannot check the checkpoints under '{self.root}': {type(err).__name__}: "
                                        f"{err}", "fix the file system or point ckpt.resume at another checkpoint."))
-        path, files, info, (error, hint) = broadcast_object(choice, self.runtime)
+        path, parts, info, (error, hint) = broadcast_object(choice, self.runtime)
         if error:
             raise on_every_rank(UserError(error, hint))
-        return _Chosen(Path(path), frozenset(files), info) if path else None
+        return _Chosen(Path(path), frozenset(parts), info) if path else None
 
     def _read(self, path: Path, name: str) -> Any:
-        """Collective: a checkpoint file's content on every rank, read from storage once, by rank 0.
-
-        Once per job rather than once per node: the shared file system then serves one checkpoint's worth of
-        reads per resume whatever the job's size (every rank reading made 512 ranks x 600 MB = 300 GB; once per
-        node would still grow with the node count, and need a node-local communicator besides). The cost is one
-        client's read of the file plus the broadcast, about size / link bandwidth whatever the world size (NCCL
-        pipelines it along its ring or tree), as for DDP's own broadcast of the module state. The status comes
-        first, on the control plane (its wait includes rank 0's read): a missing or unreadable file fails every
-        rank with the same message, and none is left waiting."""
+        """Collective: a small rank-0 file's content (train.pt) on every rank, read from storage once, by rank 0,
+        and broadcast: the same bytes, so the same state or the same error everywhere. The status comes first, on
+        the control plane: a missing or unreadable file fails every rank with the same message."""
         if not self.runtime.distributed:
             return storage.load_file(path, name)
         data, header = None, (0, "")
@@ -281,35 +473,34 @@ class Checkpointer:
             raise on_every_rank(UserError(error, hint))
         return entry
 
-    def _load(self, chosen: _Chosen, stateful: Mapping[str, Any], seed: int) -> Resumed:
-        path, info = chosen.path, chosen.info
-        state = TrainState.from_dict(info)
-        _load_into(stateful["model"], self._read(path, "model.pt"), path)
-        optim = self._read(path, "optim.pt")
-        for key in ("optimizer", "scheduler"):
-            stateful[key].load_state_dict(optim[key])
-        _load_scaler(stateful["scaler"], optim["scaler"], path, self.runtime.is_main)
-        del optim
-        if stateful.get("ema") is not None:
-            if "ema.pt" not in chosen.files:
-                raise on_every_rank(UserError(f"checkpoint '{path}' has no EMA weights, but optim.ema_decay > 0",
-                                              "set optim.ema_decay=0 or start a new run."))
-            _load_into(stateful["ema"], self._read(path, "ema.pt"), path)
-        if stateful.get("experiment") is not None:
-            _load_experiment_state(stateful["experiment"], chosen, self)
-        saved_world = int(info["world_size"])
-        if saved_world == self.runtime.world_size:
-            restore_rng(self._own_rng(path), self.runtime.device)
-        else:
-            seed_rank_streams(seed, self.runtime.rank, state.step)
-            if self.runtime.is_main:
-                log.warning(
-                    "resuming a run saved by %d processes on %d: data order and position are exact, but the "
-                    "per-rank random streams (dropout, noise) are re-seeded from (seed, rank, step)",
-                    saved_world, self.runtime.world_size,
-                )
-        barrier(self.runtime)
-        return Resumed(path, state, saved_world)
+
+@contextlib.contextmanager
+def _single_process_is_meant() -> Iterator[None]:
+    """DCP warns on every save and load without a process group, even when asked for exactly that (no_dist)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _local(work: Callable[[], T]) -> tuple[T | None, str]:
+    """Run ``work``; (its result, '') or (None, the error) for the other ranks to hear of."""
+    try:
+        return work(), ""
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - any failure must reach the other ranks
+        return None, describe_error(err)
+
+
+def describe_error(err: BaseException) -> str:
+    """One line per failure. DCP's CheckpointException (a BaseException, not an Exception) carries each failed
+    rank's exception; an OSError among them is named as '[Errno N] ...', which marks the failure as the user's
+    to fix (full disk, quota, permissions)."""
+    if isinstance(err, CheckpointException):
+        parts = []
+        for rank, (exc, _) in sorted(err.failures.items())[:3]:
+            errno = f"[Errno {exc.errno}] " if isinstance(exc, OSError) and exc.errno else ""
+            parts.append(f"rank {rank}: {type(exc).__name__}: {errno}{exc.strerror if errno else exc}")
+        return "; ".join(parts)
+    return f"{type(err).__name__}: {err}"
 
 
 @dataclass(frozen=True)
@@ -317,8 +508,8 @@ class _Chosen:
     """The checkpoint a resume loads, as rank 0 found it (the same on every rank)."""
 
     path: Path
-    files: frozenset[str]
-    """The files its manifest lists (verified by rank 0)."""
+    parts: frozenset[str]
+    """What its DCP part holds: model, optim, and ema when the run had EMA weights."""
     info: dict[str, Any]
     """state.json."""
 
@@ -331,12 +522,15 @@ def _unreadable(path: Path, name: str, error: str) -> UserError:
     return UserError(f"cannot read {name} from checkpoint '{path}': {error}", _REREAD_HINT)
 
 
+INFO_FIELDS = ("step", "epoch", "step_in_epoch", "samples_seen", "world_size")
+
+
 def _read_info(path: Path) -> dict[str, Any]:
     """state.json, checked for what a resume uses; UserError when unusable."""
     try:
         info = json.loads((path / "state.json").read_text())
-        TrainState.from_dict(info)
-        int(info["world_size"])
+        for key in INFO_FIELDS:
+            int(info[key])
         return info
     except OSError as err:
         raise _unreadable(path, "state.json", f"{type(err).__name__}: {err}") from None
@@ -370,22 +564,15 @@ def _raise_if_failed(outcome: SaveOutcome | None, root: Path) -> None:
     raise on_every_rank(RuntimeError(f"{message} (the previous checkpoint is intact)"))
 
 
-def _load_experiment_state(experiment: Any, chosen: "_Chosen", manager: "Checkpointer") -> None:
-    if "experiment.pt" not in chosen.files:
-        if manager.runtime.is_main:
-            log.warning("checkpoint '%s' holds no experiment state (saved by an experiment version without any): "
-                        "the experiment's state starts fresh", chosen.path)
-        return
-    experiment.load_state_dict(manager._read(chosen.path, "experiment.pt"))
-
-
-def _load_into(module: nn.Module, state_dict: Mapping[str, Any], path: Path) -> None:
+def _fit(load: Callable[[], None], path: Path) -> None:
+    """Run a load into the live model; a strict key or shape mismatch (the same on every rank) becomes a message
+    that says what to do."""
     try:
-        module.load_state_dict(state_dict)
-    except RuntimeError as err:
+        load()
+    except (RuntimeError, KeyError, ValueError) as err:
         first = str(err).splitlines()[:3]
-        raise UserError(
+        raise on_every_rank(UserError(
             f"checkpoint '{path}' does not fit this model: {' '.join(first)}",
             "resume with the [model] options the run was started with (see config.toml in the checkpoint), "
             "or use a new run.dir.",
-        ) from None
+        )) from None

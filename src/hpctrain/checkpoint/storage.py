@@ -1,18 +1,26 @@
-"""On-disk checkpoint format.
+"""On-disk checkpoint format: torch.distributed.checkpoint (DCP) inside hpctrain's integrity layer.
 
     RUN_DIR/checkpoints/
         step_00000120/           one directory per save
-            model.pt ...         torch.save files (loaded with weights_only=True)
-            state.json           step, epoch, data position and its global batch, world size
+            dcp/                 torch.distributed.checkpoint: .metadata (rank 0) and __R_N.distcp (each rank
+                                 its own part: its shards under FSDP and ZeRO, a share of the replicated tensors
+                                 under DDP); model, optimizer and EMA tensors by their parameter names
+            train.pt             scheduler, loss scaler, EMA count, the experiment's state (rank 0; torch.save)
+            rng.pt               every rank's random streams, in rank order (rank 0 gathers them)
+            state.json           step, epoch, data position and its global batch, world size, strategy
             config.toml          the resolved config of the run that saved it
-            manifest.json        written last: schema, sizes and sha256 of every file
+            manifest.json        written last: schema, sizes and sha256 of every file above, each rank
+                                 hashing the files it wrote
         latest                   name of the newest complete checkpoint, written after it
 
 A save is written into a hidden temporary directory and renamed into place only
-after every file and the manifest are on disk, then ``latest`` is replaced
+after every rank's files and the manifest are on disk, then ``latest`` is replaced
 atomically. A checkpoint is valid only if its manifest exists and every file has
 the recorded size and checksum, so a crash, a full disk or a truncated copy is
 detected on load and the previous checkpoint is used instead.
+
+Schema 1 (hpctrain before DCP: model.pt, optim.pt, ema.pt written by rank 0) is not read: its optimizer
+state is keyed by parameter position, not name, so it cannot be resharded; see OLD_FORMAT_HINT.
 """
 
 from __future__ import annotations
@@ -33,7 +41,10 @@ import torch
 from hpctrain.atomic import atomic_write_text, fsync_dir
 from hpctrain.errors import UserError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+OLD_FORMAT_HINT = ("it was written by an hpctrain from before torch.distributed.checkpoint (schema 1), which this "
+                   "version does not read: finish that run with the hpctrain version that started it (its "
+                   "'hpctrain export' writes the weights as safetensors), or start a new run.dir.")
 MANIFEST = "manifest.json"
 LATEST = "latest"
 PREFIX = "step_"
@@ -71,17 +82,40 @@ def _write_file(path: Path, payload: Any) -> dict[str, Any]:
     return {"bytes": w.size, "sha256": w.sha.hexdigest()}
 
 
-def write_checkpoint(root: Path, step: int, files: Mapping[str, Any], meta: Mapping[str, Any]) -> Path:
-    """Write one checkpoint; returns its directory. ``files`` maps file names to objects for
-    torch.save, or to str/bytes written as they are. Raises OSError with the previous checkpoint intact."""
+def new_temporary(root: Path, step: int) -> Path:
+    """The hidden directory a save of ``step`` is written into (rank 0 makes it; every rank writes into it)."""
     root.mkdir(parents=True, exist_ok=True)
-    final = root / step_dir_name(step)
-    tmp = root / f"{TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
+    tmp = root / f"{TMP_PREFIX}{step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
+    return tmp
+
+
+def hash_file(path: Path) -> dict[str, Any]:
+    """Size and sha256 of a file, as the manifest records them."""
+    sha, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            sha.update(block)
+            size += len(block)
+    return {"bytes": size, "sha256": sha.hexdigest()}
+
+
+def write_files(tmp: Path, files: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Write ``files`` (name -> object for torch.save, or str/bytes written as they are) into ``tmp``, fsynced;
+    returns their manifest entries (hashed while written: no second read)."""
+    return {name: _write_file(tmp / name, payload) for name, payload in files.items()}
+
+
+def finish_checkpoint(root: Path, tmp: Path, step: int, entries: Mapping[str, Any], meta: Mapping[str, Any]) -> Path:
+    """Write the manifest (last), rename ``tmp`` into place, then point ``latest`` at it; returns the checkpoint
+    directory. Raises OSError with the previous checkpoint intact (``tmp`` is removed)."""
+    final = root / step_dir_name(step)
     try:
-        entries = {name: _write_file(tmp / name, payload) for name, payload in files.items()}
-        manifest = {"schema": SCHEMA_VERSION, "step": step, "created": time.time(), **meta, "files": entries}
+        manifest = {"schema": SCHEMA_VERSION, "step": step, "created": time.time(), **meta,
+                    "files": dict(sorted(entries.items()))}
         _write_file(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+        for sub in {Path(name).parent for name in entries} - {Path(".")}:
+            fsync_dir(tmp / sub)
         fsync_dir(tmp)
         _replace_dir(tmp, final)
     except BaseException:
@@ -89,6 +123,22 @@ def write_checkpoint(root: Path, step: int, files: Mapping[str, Any], meta: Mapp
         raise
     atomic_write_text(root / LATEST, final.name + "\n")
     return final
+
+
+def write_checkpoint(root: Path, step: int, files: Mapping[str, Any], meta: Mapping[str, Any]) -> Path:
+    """A whole checkpoint written by one process (tests, tools): new_temporary, write_files, finish_checkpoint."""
+    tmp = new_temporary(root, step)
+    try:
+        entries = write_files(tmp, files)
+    except BaseException:
+        discard(tmp)
+        raise
+    return finish_checkpoint(root, tmp, step, entries, meta)
+
+
+def discard(tmp: Path) -> None:
+    """Drop an unfinished save's directory."""
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _replace_dir(tmp: Path, final: Path) -> None:
@@ -121,6 +171,8 @@ def check_checkpoint(path: Path, verify_checksums: bool = True) -> Checked:
         return Checked(path, None, "no manifest (the save did not finish)")
     except (OSError, ValueError) as err:
         return Checked(path, None, f"unreadable manifest ({err})")
+    if manifest.get("schema") == 1:
+        return Checked(path, manifest, f"schema version 1: {OLD_FORMAT_HINT}")
     if manifest.get("schema") != SCHEMA_VERSION:
         return Checked(path, manifest, f"schema version {manifest.get('schema')} (this hpctrain reads {SCHEMA_VERSION})")
     for name, entry in manifest.get("files", {}).items():
@@ -137,13 +189,8 @@ def _check_file(path: Path, entry: Mapping[str, Any], verify_checksums: bool) ->
         return "missing"
     if size != entry["bytes"]:
         return f"{size} bytes, expected {entry['bytes']} (truncated or replaced)"
-    if verify_checksums:
-        sha = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 22), b""):
-                sha.update(block)
-        if sha.hexdigest() != entry["sha256"]:
-            return "checksum mismatch (corrupted)"
+    if verify_checksums and hash_file(path)["sha256"] != entry["sha256"]:
+        return "checksum mismatch (corrupted)"
     return ""
 
 

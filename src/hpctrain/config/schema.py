@@ -183,6 +183,19 @@ class DistSection:
     grad_compression: Literal["none", "bf16", "fp16"] = "none"
     """DDP: cast gradients to 16 bits for the all-reduce (torch's bf16/fp16_compress_hook), halving the bytes on the
     wire; for communication-bound runs (see 'hpctrain plan'). Changes the numerics slightly: sums are rounded to 16 bits."""
+    strategy: Literal["ddp", "zero1", "fsdp"] = "ddp"
+    """How the training state is spread over the ranks. ddp: every rank holds the whole model, gradients and
+    optimizer state; gradients are all-reduced. zero1: the optimizer state is sharded (ZeroRedundancyOptimizer),
+    gradients are all-reduced as under ddp, and each rank broadcasts its updated parameters. fsdp: parameters,
+    gradients and optimizer state are sharded (FSDP2 fully_shard per block and at the root): each block's
+    parameters are all-gathered for its forward and backward, gradients reduce-scattered. Checkpoints are the
+    same format under all three and move between them (see the README)."""
+    fsdp_reshard_after_forward: bool = True
+    """fsdp: free each block's gathered parameters after its forward and gather them again for the backward
+    (ZeRO-3: least memory); false keeps them until the backward (ZeRO-2-like: one all-gather less per block)."""
+    fsdp_cpu_offload: bool = False
+    """fsdp: keep the sharded parameters, gradients and optimizer state in host memory and step the optimizer on
+    the CPU (torch's CPUOffloadPolicy): for models whose state does not fit the GPUs, at a large cost in speed."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -79,6 +79,14 @@ def validate(cfg: RunConfig) -> None:
     _require(not bad, "alert.events", f"unknown event(s) {bad}; choose from {sorted(ALERT_EVENTS)}")
     _require(cfg.alert.timeout_s > 0, "alert.timeout_s", "must be positive")
     _require(cfg.dist.bucket_cap_mb > 0, "dist.bucket_cap_mb", "must be positive")
+    if cfg.dist.strategy == "fsdp":
+        _require(cfg.dist.grad_compression == "none", "dist.grad_compression",
+                 f"'{cfg.dist.grad_compression}' is a DDP communication hook and does not apply to dist.strategy=fsdp",
+                 "set dist.grad_compression=none; under fsdp gradients are reduced in fp32 and parameters gathered in "
+                 "bf16 on GPUs with bf16 (train.precision).")
+        _require(cfg.train.sync_batchnorm != "on", "train.sync_batchnorm",
+                 "'on' is not supported with dist.strategy=fsdp (batch norm statistics stay per rank under fsdp)",
+                 "set train.sync_batchnorm=auto or off, or use dist.strategy=ddp or zero1.")
     _validate_slurm(cfg.slurm)
 
 

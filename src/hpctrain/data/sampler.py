@@ -88,20 +88,33 @@ class StepBatchSampler(Sampler[list[SampleKey]]):
 
 
 class EvalBatchSampler(Sampler[list[int]]):
-    def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int) -> None:
+    """Validation batches: runs of ``batch_size`` consecutive indices, dealt round-robin to the ranks (no padding,
+    no duplicates, no drops: the metrics are exact). With ``pad`` (dist.strategy=fsdp, where every forward is a
+    collective) every rank yields the same number of batches: a rank short of batches repeats the set's first
+    batch, marked with start -1 (see starts), and validation discards what it computes on it."""
+
+    def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int, pad: bool = False) -> None:
         self.num_samples = num_samples
         self.batch_size = batch_size
         self.rank = rank
         self.world_size = world_size
+        self.pad = pad
 
-    def starts(self) -> range:
-        """The first index of each batch this rank yields, in order."""
+    def _own_starts(self) -> range:
         return range(self.rank * self.batch_size, self.num_samples, self.world_size * self.batch_size)
+
+    def starts(self) -> list[int]:
+        """The first index of each batch this rank yields, in order; -1 for a padding batch."""
+        own = list(self._own_starts())
+        return own + [-1] * (len(self) - len(own))
 
     def __iter__(self) -> Iterator[list[int]]:
         for start in self.starts():
-            yield list(range(start, min(start + self.batch_size, self.num_samples)))
+            first = max(start, 0)
+            yield list(range(first, min(first + self.batch_size, self.num_samples)))
 
     def __len__(self) -> int:
         chunks = -(-self.num_samples // self.batch_size)
+        if self.pad:
+            return -(-chunks // self.world_size)
         return len(range(self.rank, chunks, self.world_size))

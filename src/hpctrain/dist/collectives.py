@@ -91,12 +91,13 @@ def gather_objects(obj: Any, runtime: Runtime) -> list[Any]:
     return out
 
 
-def gather_to_main(obj: Any, runtime: Runtime) -> list[Any] | None:
-    """Every rank's object, on rank 0 (in rank order); None on the other ranks (control plane)."""
+def gather_to_main(obj: Any, runtime: Runtime, group: dist.ProcessGroup | None = None) -> list[Any] | None:
+    """Every rank's object, on rank 0 (in rank order); None on the other ranks. On the control plane, or on
+    ``group`` (a gloo group of all ranks: the background checkpoint writer's own)."""
     if not runtime.distributed:
         return [obj]
     out: list[Any] | None = [None] * runtime.world_size if runtime.is_main else None
-    dist.gather_object(obj, out, dst=0, group=runtime.control)
+    dist.gather_object(obj, out, dst=0, group=group or runtime.control)
     return out
 
 
@@ -167,3 +168,29 @@ def broadcast_bytes(data: bytes | bytearray | None, nbytes: int, runtime: Runtim
                 host[:n].copy_(wire[:n])
             target[start:start + n] = host.numpy()[:n]
     return data if main else out
+
+
+BROADCAST_BUCKET_BYTES = 256 << 20
+
+
+def broadcast_state(state: dict[str, Any], runtime: Runtime) -> None:
+    """Every rank takes rank 0's values of a nested state dict (tensors filled in place, other values replaced),
+    e.g. a checkpoint part rank 0 alone read. Tensors go in buckets (torch's coalesced broadcast, which DDP uses
+    for its initial weights); device tensors on the training group, CPU tensors (an optimizer's step counts) on
+    the control plane when the training group is NCCL; the small rest as one object on the control plane."""
+    if not runtime.distributed:
+        return
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint._traverse import set_element
+
+    flat, mappings = flatten_state_dict(state)
+    tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+    others = broadcast_object({k: v for k, v in flat.items() if k not in tensors}, runtime)
+    for key, value in others.items():
+        set_element(state, mappings[key], value)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for tensor in tensors.values():
+        by_device.setdefault(tensor.device, []).append(tensor)
+    for device, group in by_device.items():
+        pg = runtime.control if device.type == "cpu" and runtime.backend == "nccl" else dist.group.WORLD
+        dist._broadcast_coalesced(pg, group, BROADCAST_BUCKET_BYTES, 0)

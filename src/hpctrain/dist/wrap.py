@@ -1,4 +1,4 @@
-"""Model placement and wrapping: device, memory format, DDP, then compile."""
+"""Model placement and wrapping: device, memory format, then DDP (ddp, zero1) or FSDP2 (fsdp), then compile."""
 
 from __future__ import annotations
 
@@ -6,7 +6,10 @@ import logging
 
 import torch
 from torch import nn
+import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpctrain.config.schema import RunConfig
@@ -16,10 +19,11 @@ from hpctrain.errors import UserError, on_every_rank
 log = logging.getLogger("hpctrain")
 
 
-def wrap_model(model: nn.Module, cfg: RunConfig, runtime: Runtime) -> nn.Module:
-    """The model to train with. Move before wrapping: DDP registers its hooks on the
-    parameters it finds, and they must already live on the rank's device."""
-    if use_sync_batchnorm(model, cfg.train.sync_batchnorm, runtime):
+def place_model(model: nn.Module, cfg: RunConfig, runtime: Runtime) -> nn.Module:
+    """The model on the rank's device, in its memory format, with synchronised batch norms where configured: what
+    every strategy starts from (and what an EMA copy is made of)."""
+    # Not under fsdp (refused with 'on' by the config; 'auto' keeps per-rank statistics there).
+    if cfg.dist.strategy != "fsdp" and use_sync_batchnorm(model, cfg.train.sync_batchnorm, runtime):
         # Before DDP (which must see the final modules); same parameters and buffers, so checkpoints load either way.
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         if cfg.train.compile and runtime.is_main:
@@ -29,13 +33,30 @@ def wrap_model(model: nn.Module, cfg: RunConfig, runtime: Runtime) -> nn.Module:
     model = model.to(runtime.device)
     if cfg.train.channels_last:
         model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+def wrap_model(model: nn.Module, cfg: RunConfig, runtime: Runtime, blocks: list[nn.Module] | None = None,
+               companions: tuple[nn.Module, ...] = (), param_dtype: torch.dtype | None = None) -> nn.Module:
+    """The model to train with: placed (place_model; a placed model stays as it is), then wrapped. Placed first:
+    DDP registers its hooks on the parameters it finds, and FSDP shards them where they are.
+
+    Under fsdp, ``blocks`` are the modules sharded one by one (Experiment.fsdp_blocks); ``companions`` are copies
+    of the model (the EMA weights) sharded the same way; ``param_dtype`` (bf16 on GPUs) is the dtype parameters
+    are gathered and computed in. One process: no wrapper under any strategy (nothing to shard or reduce; a
+    checkpoint names tensors the same either way)."""
+    model = place_model(model, cfg, runtime)
     if runtime.distributed:
-        model = _ddp(model, cfg, runtime)
+        if cfg.dist.strategy == "fsdp":
+            model = shard_model(model, cfg, runtime, blocks or [], companions, param_dtype)
+        else:
+            model = _ddp(model, cfg, runtime)
     if cfg.train.compile:
         # Compile the DDP module, not the other way round (torch's documented order): dynamo's DDPOptimizer then
         # splits the graph at DDP's bucket boundaries, so each bucket's all-reduce starts while the backward of
         # the earlier layers still runs. A compiled module inside DDP runs its whole backward as one graph, and
-        # every bucket fires only after it: no overlap of communication and compute.
+        # every bucket fires only after it: no overlap of communication and compute. An FSDP2 module compiles
+        # with its per-block hooks (graph breaks at each all-gather).
         # A graph that fails to compile (a missing C compiler or Triton, an unsupported op) runs eagerly with a
         # logged warning instead of ending the run: dynamo's own fallback, per frame.
         torch._dynamo.config.suppress_errors = True
@@ -43,9 +64,48 @@ def wrap_model(model: nn.Module, cfg: RunConfig, runtime: Runtime) -> nn.Module:
     return model
 
 
+def shard_model(model: nn.Module, cfg: RunConfig, runtime: Runtime, blocks: list[nn.Module],
+                companions: tuple[nn.Module, ...] = (), param_dtype: torch.dtype | None = None) -> nn.Module:
+    """FSDP2: fully_shard on each block, then on the root (which takes the parameters outside every block, so
+    that every parameter is a DTensor: clip_grad_norm_ needs that). Rank 0's weights first go to every rank, as
+    DDP's constructor does: weights loaded on rank 0 alone (Experiment.init_weights) would otherwise be sharded
+    from each rank's own copy."""
+    _broadcast_module(model, runtime)
+    names = {id(m): name for name, m in model.named_modules()}
+    unknown = [b for b in blocks if id(b) not in names or b is model]
+    if unknown:
+        raise on_every_rank(UserError(
+            f"Experiment.fsdp_blocks returned {len(unknown)} module(s) that are not submodules of the model "
+            f"(e.g. {type(unknown[0]).__name__})", "return submodules of the model passed to fsdp_blocks."))
+    options = dict(
+        reshard_after_forward=cfg.dist.fsdp_reshard_after_forward,
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None),
+        # Pinned host memory needs CUDA (the default, pin_memory=True, fails without it).
+        offload_policy=CPUOffloadPolicy(pin_memory=runtime.device.type == "cuda") if cfg.dist.fsdp_cpu_offload
+        else OffloadPolicy(),
+    )
+    for target in (model, *companions):
+        for name in [names[id(b)] for b in blocks]:
+            fully_shard(target.get_submodule(name), **options)
+        fully_shard(target, **options)
+    return model
+
+
+def _broadcast_module(model: nn.Module, runtime: Runtime) -> None:
+    """Rank 0's parameters and buffers to every rank, in buckets (what DDP's constructor does)."""
+    tensors = [t.detach() for t in (*model.parameters(), *model.buffers())]
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t)
+    for group in by_device.values():
+        dist._broadcast_coalesced(dist.group.WORLD, group, 250 << 20, 0)
+
+
 def use_sync_batchnorm(model: nn.Module, mode: str, runtime: Runtime) -> bool:
     """Whether to convert the model's batch norms (see train.sync_batchnorm)."""
-    has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    # Already converted models (place_model ran) have nothing left to convert.
+    has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
+                 for m in model.modules())
     if mode == "off" or not has_bn or not runtime.distributed:
         return False
     if runtime.device.type != "cuda":
@@ -72,6 +132,18 @@ def _ddp(model: nn.Module, cfg: RunConfig, runtime: Runtime) -> DDP:
     return ddp
 
 
+def fsdp_of(model: nn.Module) -> FSDPModule | None:
+    """The FSDP2 root of a wrapped model (under torch.compile too), or None."""
+    model = getattr(model, "_orig_mod", model)
+    return model if isinstance(model, FSDPModule) else None
+
+
+def full_value(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """A plain tensor of a possibly distributed one (clip_grad_norm_ returns a DTensor under fsdp; its full_tensor
+    is a collective, which every rank runs at the same point)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 def ddp_of(model: nn.Module) -> DDP | None:
     """The DDP module of a wrapped model (under torch.compile too), or None for one process: its no_sync()
     keeps gradients local during accumulation."""
@@ -80,7 +152,9 @@ def ddp_of(model: nn.Module) -> DDP | None:
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The plain module under torch.compile and DDP: what checkpoints and evaluation use."""
+    """The module whose parameters are trained, under torch.compile and DDP: what checkpoints, clipping, EMA and
+    evaluation use. Under fsdp that is the sharded module itself (FSDP2 wraps in place; its parameters are
+    DTensors)."""
     model = getattr(model, "_orig_mod", model)
     if isinstance(model, DDP):
         model = model.module

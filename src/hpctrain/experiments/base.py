@@ -155,6 +155,12 @@ class Experiment(ABC):
         weights get no weight decay in any group. None (default): one group."""
         return None
 
+    def fsdp_blocks(self, model: nn.Module) -> list[nn.Module]:
+        """The modules dist.strategy=fsdp shards one by one (each all-gathers its parameters for its own forward and
+        backward, so peak memory is about the sharded state plus the largest block); the root takes the rest.
+        Default: ``default_fsdp_blocks`` (transformer layers, ResNet and U-Net blocks, items of nn.ModuleList)."""
+        return default_fsdp_blocks(model)
+
     def describe_metrics(self, metrics: Mapping[str, float]) -> str | None:
         """Extra text the log shows after each validation (rank 0), e.g. a per-class table. Default: none."""
         return None
@@ -172,6 +178,37 @@ class Experiment(ABC):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what state_dict returned."""
+
+
+BLOCK_TYPES: tuple[type[nn.Module], ...] = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+
+
+def default_fsdp_blocks(model: nn.Module) -> list[nn.Module]:
+    """The outermost modules that are blocks: instances of BLOCK_TYPES, of torchvision's ResNet BasicBlock and
+    Bottleneck, of any class named like a block (ending in Block, Layer or Bottleneck, e.g. a U-Net's ResBlock),
+    or items of an nn.ModuleList; a block's own sub-blocks are not taken again. None found: the top-level children
+    that hold parameters. Containers (ModuleList, ModuleDict) are looked into, never taken: they have no forward,
+    so FSDP's gather before it would never run. Blocks should be of similar size: the largest one sets the memory
+    of its gather."""
+    blocks: list[nn.Module] = []
+
+    def visit(module: nn.Module, in_list: bool) -> None:
+        for child in module.children():
+            container = isinstance(child, (nn.ModuleList, nn.ModuleDict))  # never called: FSDP's hooks would not run
+            if not container and (_is_block(child) or (in_list and any(p.requires_grad for p in child.parameters()))):
+                blocks.append(child)
+            else:
+                visit(child, container)
+
+    visit(model, isinstance(model, nn.ModuleList))
+    if not blocks:
+        blocks = [c for c in model.children() if any(True for _ in c.parameters())]
+    return blocks
+
+
+def _is_block(module: nn.Module) -> bool:
+    name = type(module).__name__
+    return isinstance(module, BLOCK_TYPES) or name.endswith(("Block", "Layer", "Bottleneck"))
 
 
 @functools.cache

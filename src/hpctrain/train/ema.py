@@ -12,6 +12,7 @@ import itertools
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import AveragedModel
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
@@ -28,8 +29,9 @@ class EMA(AveragedModel):
     def update_parameters(self, model: nn.Module) -> None:
         """The same arithmetic as AveragedModel with get_ema_multi_avg_fn(decay): a copy on the first update,
         then lerp towards the model by 1 - decay (integer buffers: the same formula, truncated)."""
-        mine = [t.detach() for t in itertools.chain(self.module.parameters(), self.module.buffers())]
-        theirs = [t.detach() for t in itertools.chain(model.parameters(), model.buffers())]
+        # Under fsdp both modules are sharded the same way: each rank averages its own shards (local tensors).
+        mine = [_local(t) for t in itertools.chain(self.module.parameters(), self.module.buffers())]
+        theirs = [_local(t) for t in itertools.chain(model.parameters(), model.buffers())]
         if int(self.n_averaged) == 0:  # n_averaged lives on the CPU: reading it costs no device synchronisation
             for a, b in zip(mine, theirs, strict=True):
                 a.copy_(b)
@@ -42,6 +44,11 @@ class EMA(AveragedModel):
                     for a, b in zip(ema, current, strict=True):
                         a.copy_(a * self.decay + b * (1 - self.decay))
         self.n_averaged += 1
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def build_ema(model: nn.Module, decay: float) -> EMA | None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from hpctrain.checkpoint.manager import read_state, select_checkpoint
+from hpctrain.checkpoint.manager import select_checkpoint
 from hpctrain.config import config_to_toml, load_config, plan_batches
 from hpctrain.config.schema import RunConfig
 from hpctrain.dist.env import LaunchInfo, detect_launch
@@ -18,7 +18,7 @@ from hpctrain.experiments import Experiment, resolve_experiment
 from hpctrain.fault.alerts import resolve_webhook
 from hpctrain.logs import setup_logging
 from hpctrain.train.rundir import ensure_writable
-from hpctrain.train.state import continue_with_batch
+from hpctrain.train.state import continue_with_batch, read_state
 
 log = logging.getLogger("hpctrain")
 

@@ -29,7 +29,9 @@ def evaluate(
     seed: int = 0,
     step: int = 0,
 ) -> dict[str, float]:
-    """Collective. ``model`` is the plain module (not DDP): ranks may hold different numbers of batches.
+    """Collective. ``model`` is the plain module (not DDP): ranks may hold different numbers of batches, except
+    under fsdp, where every forward is a collective and the sampler pads (a batch starting at -1 is run and its
+    statistics dropped).
     ``on_batch`` is called before each batch: the loop's heartbeat, so a long validation is progress, not a hang.
     Each batch's BatchInfo carries the validation-set position of its first sample (from the loader's batch
     sampler), so per-sample draws do not depend on the world size."""
@@ -41,9 +43,11 @@ def evaluate(
         if on_batch is not None:
             on_batch()
         batch = to_device(batch, runtime.device, channels_last)
-        info = BatchInfo("val", step, start, size, seed)
+        info = BatchInfo("val", step, max(start, 0), size, seed)
         with precision.autocast():
             stats = call_eval_stats(experiment, model, batch, info)
+        if start < 0:  # a padding batch (fsdp): its forward was for the other ranks' collectives, its numbers are not
+            continue
         for key, value in stats.items():
             value = value.detach().double()
             if key in totals and totals[key].shape != value.shape:

@@ -23,6 +23,7 @@ from hpctrain.atomic import fsync_dir
 from hpctrain.errors import UserError
 from hpctrain.metrics.records import metric_values, read_metrics
 from hpctrain.train.sample import resolve_run
+from hpctrain.train.state import TrainState
 
 log = logging.getLogger("hpctrain")
 
@@ -177,9 +178,12 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def export_run(run_dir: Path, out: Path | None = None, resume: str = "auto") -> list[Path]:
-    """Export RUN_DIR's shipped weights, config and model card to ``out`` (default RUN_DIR/export); returns the
-    files written. UserError (and nothing written) for a bad run dir, checkpoint or destination."""
+def export_run(run_dir: Path, out: Path | None = None, resume: str = "auto", weights: str = "auto") -> list[Path]:
+    """Export RUN_DIR's weights (``weights``: auto = the EMA ones when the run has them, ema, or model), config and
+    model card to ``out`` (default RUN_DIR/export); ``out`` ending in .safetensors writes that one file (the config
+    in its metadata) and the config beside it (.toml), for inference code and model hubs. Works from a checkpoint of
+    any strategy and world size (torch.distributed.checkpoint reassembles the shards in this one process); returns
+    the files written. UserError (and nothing written) for a bad run dir, checkpoint or destination."""
     from hpctrain.checkpoint.manager import Checkpointer
     from hpctrain.dist.runtime import single_process_runtime
 
@@ -187,32 +191,77 @@ def export_run(run_dir: Path, out: Path | None = None, resume: str = "auto") -> 
         raise UserError("--resume never loads no weights", "use --resume auto or a checkpoint directory.")
     cls, cfg = resolve_run(run_dir, (f"ckpt.resume={resume}",))
     out = out if out is not None else run_dir / "export"
-    check_out_dir(out, run_dir)
+    single_file = out.suffix == ".safetensors"
+    check_out_file(out, run_dir) if single_file else check_out_dir(out, run_dir)
     experiment = cls(cfg)
     model = experiment.build_model()
     runtime = single_process_runtime(torch.device("cpu"))
-    loaded = Checkpointer(run_dir, cfg.experiment, runtime, "", cfg.ckpt.keep_last).restore_weights(cfg.ckpt.resume,
-                                                                                                   model)
-    state = loaded.state
-    ema = (loaded.path / "ema.pt").is_file()
+    loaded = Checkpointer(run_dir, cfg.experiment, runtime, "", cfg.ckpt.keep_last).restore_weights(
+        cfg.ckpt.resume, model, weights)
+    state = TrainState.from_dict(loaded.info)
+    ema = "ema" in loaded.parts
+    config_text = (run_dir / "config.toml").read_bytes()
+    metadata = {"format": "pt", "experiment": cfg.experiment, "step": str(state.step), "ema": str(ema).lower(),
+                "checkpoint": loaded.path.name}
+    kind = "EMA" if ema else "model"
+    parameters = sum(p.numel() for p in model.parameters())
+    if single_file:
+        written = write_weights_file(out, shipped_tensors(model), metadata | {"config": config_text.decode()}, config_text)
+        log.info("exported %s (step %d, %s weights, %s parameters) to %s", cfg.experiment, state.step, kind,
+                 f"{parameters:,}", out)
+        return written
     val_step, val = last_validation(run_dir / "metrics.jsonl", state.step)
     sample = latest_sample_grid(run_dir, state.step)
     card = ModelCard(
-        experiment=cfg.experiment, run_name=cfg.run_name, parameters=sum(p.numel() for p in model.parameters()),
+        experiment=cfg.experiment, run_name=cfg.run_name, parameters=parameters,
         checkpoint=loaded.path.name, step=state.step, epoch=state.epoch, step_in_epoch=state.step_in_epoch,
         samples_seen=state.samples_seen, global_batch_size=state.global_batch_size or cfg.train.global_batch_size,
         ema_decay=cfg.optim.ema_decay if ema else 0.0, val_step=val_step, val=val,
         sample_image=SAMPLE_IMAGE if sample is not None else "",
     )
-    metadata = {"format": "pt", "experiment": cfg.experiment, "step": str(state.step), "ema": str(ema).lower()}
-    written = write_export(out, shipped_tensors(model), metadata, (run_dir / "config.toml").read_bytes(),
-                           render_model_card(card), sample)
-    log.info("exported %s (step %d, %s weights, %s parameters) to %s", cfg.experiment, state.step,
-             "EMA" if ema else "model", f"{card.parameters:,}", out)
+    written = write_export(out, shipped_tensors(model), metadata, config_text, render_model_card(card), sample)
+    log.info("exported %s (step %d, %s weights, %s parameters) to %s", cfg.experiment, state.step, kind,
+             f"{card.parameters:,}", out)
     return written
 
 
-def export_command(run_dir: Path, out: Path | None, resume: str) -> int:
-    for path in export_run(run_dir, out, resume):
+def check_out_file(out: Path, run_dir: Path) -> None:
+    """A single-file export goes anywhere but into the checkpoints, and replaces only a file."""
+    resolved, checkpoints = out.resolve(), (run_dir / "checkpoints").resolve()
+    if checkpoints in resolved.parents:
+        raise UserError(f"--out '{out}' is inside the run's checkpoints", "choose another path, e.g. RUN_DIR/model.safetensors.")
+    if out.is_dir():
+        raise UserError(f"--out '{out}' is a directory", "name the file, e.g. --out model.safetensors, or give a "
+                        "directory name without the .safetensors suffix for the full export with its model card.")
+
+
+def write_weights_file(out: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], config_text: bytes) -> list[Path]:
+    """OUT.safetensors and OUT.toml (the config), each written to a temporary sibling and renamed over the old one:
+    a reader sees the old file or the new one, never half of one."""
+    from safetensors.torch import save_file
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    config = out.with_suffix(".toml")
+    staged = []
+    try:
+        for final, write in ((out, lambda tmp: save_file(tensors, str(tmp), metadata=metadata)),
+                             (config, lambda tmp: tmp.write_bytes(config_text))):
+            tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
+            staged.append(tmp)
+            write(tmp)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+        for tmp, final in zip(staged, (out, config)):
+            os.replace(tmp, final)
+        fsync_dir(out.parent)
+    except BaseException:
+        for tmp in staged:
+            tmp.unlink(missing_ok=True)
+        raise
+    return [out, config]
+
+
+def export_command(run_dir: Path, out: Path | None, resume: str, weights: str = "auto") -> int:
+    for path in export_run(run_dir, out, resume, weights):
         print(path, flush=True)
     return 0

@@ -13,13 +13,14 @@ import torch
 
 from hpctrain.checkpoint.policy import save_due
 from hpctrain.dist.collectives import all_reduce_sums, broadcast_buffers
-from hpctrain.dist.wrap import ddp_of
+from hpctrain.dist.wrap import ddp_of, fsdp_of, full_value, place_model
 from hpctrain.experiments.base import BatchInfo, call_train_loss, has_outputs
 from hpctrain.train.context import TrainContext
 from hpctrain.train.device import to_device
 from hpctrain.train.evaluate import evaluate
 from hpctrain.train.optim import base_lr
 from hpctrain.train.outputs import Outputs, run_outputs
+from hpctrain.train.rng import capture_rng
 
 log = logging.getLogger("hpctrain")
 
@@ -81,11 +82,7 @@ def micro_step(ctx: TrainContext, batches: Iterator, window: "_Window", micro: i
     host_batch = next(batches)
     window.data_wait += time.perf_counter() - waited  # time the loader, not the model, held this rank up
     batch = to_device(host_batch, ctx.runtime.device, ctx.cfg.train.channels_last)
-    # DDP all-reduces gradients during backward; before the last micro-step that work
-    # would be thrown away, so no_sync keeps the gradients local until then.
-    ddp = ddp_of(model)  # under torch.compile too: the compiled module wraps DDP
-    sync = contextlib.nullcontext() if last or ddp is None else ddp.no_sync()
-    with sync:
+    with _gradient_sync(model, last):
         hb.mark("forward")
         # Where these samples sit in the global batch: per-sample draws then do not depend on the world size.
         info = BatchInfo("train", ctx.state.step, ctx.runtime.rank * plan.per_rank + micro * plan.micro_batch_size,
@@ -100,13 +97,27 @@ def micro_step(ctx: TrainContext, batches: Iterator, window: "_Window", micro: i
     return loss.detach().float()
 
 
+def _gradient_sync(model: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager:
+    """Gradients are reduced over the ranks only in the last micro-step of an optimizer step: before it that work
+    would be thrown away. DDP (ddp, zero1) all-reduces during backward unless inside no_sync(); FSDP2
+    reduce-scatters unless told not to (it then accumulates unsharded gradients until the last micro-step)."""
+    fsdp = fsdp_of(model)  # under torch.compile too: the compiled module wraps DDP or FSDP
+    if fsdp is not None:
+        fsdp.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+    ddp = ddp_of(model)
+    return contextlib.nullcontext() if last or ddp is None else ddp.no_sync()
+
+
 def apply_gradients(ctx: TrainContext) -> torch.Tensor | None:
     """Clip, step, zero, schedule, average: what follows the backward passes; returns the gradient norm
     when clipping (on device, no sync)."""
     grad_norm = None
     if ctx.cfg.train.grad_clip > 0:
         ctx.scaler.unscale_(ctx.optimizer)  # clip the true gradient, not the fp16-scaled one
-        grad_norm = torch.nn.utils.clip_grad_norm_(ctx.raw_model.parameters(), ctx.cfg.train.grad_clip)
+        # The global norm under every strategy: under fsdp the gradients are DTensor shards, and torch reduces
+        # their norms over the ranks (every parameter is sharded, the root included; see dist/wrap.py).
+        grad_norm = full_value(torch.nn.utils.clip_grad_norm_(ctx.raw_model.parameters(), ctx.cfg.train.grad_clip))
     ctx.scaler.step(ctx.optimizer)
     ctx.scaler.update()
     ctx.optimizer.zero_grad(set_to_none=True)
@@ -159,7 +170,7 @@ def after_step(ctx: TrainContext, window: "_Window", epoch_ended: bool) -> tuple
 
 def _save(ctx: TrainContext, wait: bool) -> None:
     ctx.fault.heartbeat.mark("checkpoint")
-    ctx.checkpointer.save(ctx.state, ctx.stateful(), wait=wait)
+    ctx.checkpointer.save(ctx.state.to_dict(), ctx.stateful(), capture_rng(ctx.runtime.device), wait=wait)
     ctx.fault.heartbeat.mark("sync")  # out of the checkpoint phase: its control-plane limit must not cover what follows
     ctx.fault.last_save = time.monotonic()
 
@@ -179,10 +190,24 @@ def make_outputs(ctx: TrainContext, final: bool) -> None:
     hb.mark("outputs")
     model = ctx.shipped_model
     broadcast_buffers(model, ctx.runtime)  # every rank samples from rank 0's weights, as validation does
+    if fsdp_of(model) is not None:
+        model = unsharded_copy(ctx, model)
     out = Outputs(ctx.runtime, ctx.state.step, ctx.state.epoch, final, ctx.cfg.run.seed, Path(ctx.cfg.run_dir),
                   ctx.metrics, beat=lambda: hb.mark("outputs"), autocast=ctx.precision.autocast)
     run_outputs(ctx.experiment.outputs, model, out)
     hb.mark("sync")
+
+
+def unsharded_copy(ctx: TrainContext, model: torch.nn.Module) -> torch.nn.Module:
+    """A plain copy of a sharded model's weights on the device, for the experiment's outputs hook, whose ranks make
+    different numbers of model calls (each call of the sharded model is a collective). Costs the full weights once
+    per rank while the hook runs (not gradients or optimizer state); freed after it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # all-gathers, every rank
+    plain = place_model(ctx.experiment.build_model(), ctx.cfg, ctx.runtime)
+    plain.load_state_dict(weights)
+    return plain
 
 
 def eval_due(ctx: TrainContext, epoch_ended: bool) -> bool:

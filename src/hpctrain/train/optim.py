@@ -14,14 +14,32 @@ from hpctrain.errors import UserError
 
 
 def build_optimizer(model: nn.Module, cfg: OptimSection, fused: bool = False,
-                    groups: Sequence[Mapping[str, Any]] | None = None) -> torch.optim.Optimizer:
+                    groups: Sequence[Mapping[str, Any]] | None = None, zero: bool = False) -> torch.optim.Optimizer:
     """``groups``: the experiment's parameter groups (Experiment.param_groups), each ``{"params": [...],
     "lr_scale": float}`` (lr_scale default 1: a group learns at optim.lr x lr_scale, under the same schedule);
-    None: one group of all parameters."""
+    None: one group of all parameters. ``zero`` (dist.strategy=zero1): torch's ZeroRedundancyOptimizer around
+    the same optimizer and groups; each rank keeps the state of its partition of the parameters, steps it, and
+    broadcasts its updated parameters."""
     groups = _split_decay(check_groups(model, groups), cfg.weight_decay, cfg.lr)
     if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=fused or None)
+        cls, kwargs = torch.optim.SGD, {"lr": cfg.lr, "momentum": cfg.momentum, "nesterov": cfg.momentum > 0}
+    else:
+        cls, kwargs = torch.optim.AdamW, {"lr": cfg.lr, "betas": cfg.betas, "fused": fused or None}
+    if not zero:
+        return cls(groups, **kwargs)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    # ZeRO takes the first group at construction and the others through add_param_group (its documented way).
+    groups = [g for g in groups if g["params"]]
+    first, rest = groups[0], groups[1:]
+    hyper = {k: v for k, v in first.items() if k in ("lr", "weight_decay")}  # what the optimizer class takes
+    optimizer = ZeroRedundancyOptimizer(first["params"], optimizer_class=cls, **(kwargs | hyper))
+    # hpctrain's own keys (lr_scale, name) on the group the scheduler and the logs read; ZeRO copies every key of
+    # its groups into the inner optimizer's at each step.
+    optimizer.param_groups[0].update({k: v for k, v in first.items() if k != "params"})
+    for group in rest:
+        optimizer.add_param_group(group)
+    return optimizer
 
 
 def check_groups(model: nn.Module, groups: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]]:

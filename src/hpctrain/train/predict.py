@@ -41,7 +41,7 @@ def load_predictor(run_dir: Path, resume: str, device: torch.device):
     runtime = single_process_runtime(torch.device("cpu"))
     loaded = Checkpointer(run_dir, cfg.experiment, runtime, "", cfg.ckpt.keep_last).restore_weights(cfg.ckpt.resume,
                                                                                                    model)
-    return experiment, model.to(device).eval(), loaded.state.step
+    return experiment, model.to(device).eval(), int(loaded.info["step"])
 
 
 def read_image(path: Path) -> torch.Tensor:

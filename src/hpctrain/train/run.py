@@ -19,7 +19,7 @@ from hpctrain.data.sampler import EvalBatchSampler, StepBatchSampler
 from hpctrain.dist.collectives import barrier, broadcast_object
 from hpctrain.dist.env import fault_injection_spec, stdout_is_terminal, under_hpctrain_agent
 from hpctrain.dist.runtime import Runtime
-from hpctrain.dist.wrap import unwrap_model, wrap_model
+from hpctrain.dist.wrap import place_model, unwrap_model, wrap_model
 from hpctrain.errors import UserError, on_every_rank, raised_on_every_rank
 from hpctrain.experiments.base import Datasets, Experiment
 from hpctrain.fault.alerts import Alerter, resolve_webhook
@@ -38,7 +38,7 @@ from hpctrain.train.ema import build_ema
 from hpctrain.train.evaluate import evaluate
 from hpctrain.train.optim import build_optimizer, build_scheduler
 from hpctrain.train.precision import resolve_precision
-from hpctrain.train.rng import seed_everything, seed_rank_streams
+from hpctrain.train.rng import restore_rng, seed_everything, seed_rank_streams
 from hpctrain.train.rundir import prepare_run_dir
 from hpctrain.train.state import TrainState, continue_with_batch
 
@@ -68,12 +68,20 @@ def build_context(
     val_loader = None
     if data.val is not None:
         eval_batch = cfg.eval.micro_batch_size or 2 * cfg.train.micro_batch_size
-        val_sampler = EvalBatchSampler(len(data.val), eval_batch, runtime.rank, runtime.world_size)
+        val_sampler = EvalBatchSampler(len(data.val), eval_batch, runtime.rank, runtime.world_size,
+                                       pad=cfg.dist.strategy == "fsdp" and runtime.distributed)
         val_loader = build_loader(data.val, val_sampler, cfg.data, runtime, collate_fn=data.collate_fn)
-    wrapped = wrap_model(model, cfg, runtime)
-    raw = unwrap_model(wrapped)
     precision = resolve_precision(cfg.train.precision, runtime.device)
-    optimizer = build_optimizer(raw, cfg.optim, fused=runtime.device.type == "cuda", groups=experiment.param_groups(raw))
+    check_strategy(cfg, runtime, precision)
+    model = place_model(model, cfg, runtime)
+    # The EMA copy is made before wrapping: FSDP2 modules refuse deepcopy, and under fsdp the copy is sharded
+    # like the model (each rank averages its own shards).
+    ema = build_ema(model, cfg.optim.ema_decay)
+    wrapped = wrap_model(model, cfg, runtime, blocks=experiment.fsdp_blocks(model),
+                         companions=(ema.module,) if ema is not None else (), param_dtype=fsdp_param_dtype(precision, runtime))
+    raw = unwrap_model(wrapped)
+    optimizer = build_optimizer(raw, cfg.optim, fused=runtime.device.type == "cuda", groups=experiment.param_groups(raw),
+                                zero=cfg.dist.strategy == "zero1" and runtime.distributed)
     total_steps = cfg.train.max_steps or cfg.train.epochs * sampler.steps_per_epoch
     if runtime.is_main and write_run_dir:
         prepare_run_dir(run_dir, config_text)
@@ -88,20 +96,39 @@ def build_context(
         optimizer=optimizer,
         scheduler=build_scheduler(optimizer, cfg.optim, total_steps),
         scaler=precision.build_scaler(),
-        ema=build_ema(raw, cfg.optim.ema_decay),
+        ema=ema,
         precision=precision,
         sampler=sampler,
         train_loader=train_loader,
         val_loader=val_loader,
         state=TrainState(global_batch_size=cfg.train.global_batch_size),
         total_steps=total_steps,
-        checkpointer=Checkpointer(run_dir, cfg.experiment, runtime, config_text, cfg.ckpt.keep_last, cfg.ckpt.async_save),
+        checkpointer=Checkpointer(run_dir, cfg.experiment, runtime, config_text, cfg.ckpt.keep_last, cfg.ckpt.async_save,
+                                  cfg.dist.strategy, cfg.dist.control_timeout_s),
         fault=FaultState(
             signals=StopSignals(),
             vote=StepVote(runtime),
             heartbeat=Heartbeat(runtime.rank, runtime.hostname, on_mark=build_injector(fault_injection_spec(), runtime.rank)),
         ),
     )
+
+
+def check_strategy(cfg: RunConfig, runtime: Runtime, precision) -> None:
+    """What only the runtime knows about dist.strategy (the config checks the rest)."""
+    if cfg.dist.strategy == "fsdp" and precision.dtype == torch.float16:
+        raise on_every_rank(UserError(
+            "dist.strategy=fsdp with fp16 (train.precision, or precision=auto on a GPU without bf16): fp16 needs loss "
+            "scaling, which hpctrain does not do for sharded gradients",
+            "use train.precision=bf16 (Ampere and newer) or fp32, or dist.strategy=ddp or zero1 with fp16."))
+    if cfg.dist.strategy != "ddp" and not runtime.distributed and runtime.is_main:
+        log.info("dist.strategy=%s on one process: nothing to shard, the model runs unwrapped (checkpoints are the "
+                 "same format and resume on any number of processes)", cfg.dist.strategy)
+
+
+def fsdp_param_dtype(precision, runtime: Runtime) -> torch.dtype | None:
+    """Under fsdp on a GPU with bf16: gather and compute parameters in bf16, reduce gradients in fp32 (FSDP2's
+    MixedPrecisionPolicy); the sharded master weights and the optimizer stay fp32."""
+    return torch.bfloat16 if runtime.device.type == "cuda" and precision.dtype == torch.bfloat16 else None
 
 
 def _init_weights(experiment: Experiment, model: torch.nn.Module, cfg: RunConfig, runtime: Runtime) -> None:
@@ -162,8 +189,9 @@ def run_training(cfg: RunConfig, runtime: Runtime, experiment: Experiment, confi
     ctx.fault.signals.install(stop_signal_names(cfg.fault.warning_signal))
     watchdog = _start_watchdog(ctx, alerter)
     try:
-        resumed = ctx.checkpointer.restore(cfg.ckpt.resume, ctx.stateful(), cfg.run.seed)
+        resumed = ctx.checkpointer.restore(cfg.ckpt.resume, ctx.stateful())
         if resumed is not None:
+            _restore_streams(ctx, resumed)
             ctx.state = _continue_from(ctx, resumed)
         _announce(ctx, resumed)
         ctx.metrics = build_metrics_logger(
@@ -200,11 +228,25 @@ def run_training(cfg: RunConfig, runtime: Runtime, experiment: Experiment, confi
     return Outcome(0, result.val)
 
 
+def _restore_streams(ctx: TrainContext, resumed: Resumed) -> None:
+    """This rank's random streams as saved; on another world size they are re-seeded from (seed, rank, step)."""
+    if resumed.rng is not None:
+        restore_rng(resumed.rng, ctx.runtime.device)
+        return
+    seed_rank_streams(ctx.cfg.run.seed, ctx.runtime.rank, int(resumed.info["step"]))
+    if ctx.runtime.is_main:
+        log.warning(
+            "resuming a run saved by %d processes on %d: data order and position are exact, but the per-rank random "
+            "streams (dropout, noise) are re-seeded from (seed, rank, step)", resumed.saved_world_size,
+            ctx.runtime.world_size,
+        )
+
+
 def _continue_from(ctx: TrainContext, resumed: Resumed) -> TrainState:
     """The restored state, checked against this launch's global batch (the preflight already stopped a change
     unless ckpt.on_batch_change allows it; this catches a checkpoint the preflight did not pick)."""
     try:
-        state, warning = continue_with_batch(resumed.state, ctx.cfg.train.global_batch_size,
+        state, warning = continue_with_batch(TrainState.from_dict(resumed.info), ctx.cfg.train.global_batch_size,
                                              ctx.cfg.ckpt.on_batch_change, str(resumed.path), ctx.total_steps)
     except UserError as err:
         raise on_every_rank(err) from None  # every rank read the same state.json
@@ -289,13 +331,14 @@ def run_evaluation(cfg: RunConfig, runtime: Runtime, experiment: Experiment, con
     model = experiment.build_model().to(runtime.device)
     checkpointer = Checkpointer(Path(cfg.run_dir), cfg.experiment, runtime, config_text, cfg.ckpt.keep_last)
     loaded = checkpointer.restore_weights(cfg.ckpt.resume, model)
+    step = int(loaded.info["step"])
     eval_batch = cfg.eval.micro_batch_size or 2 * cfg.train.micro_batch_size
     sampler = EvalBatchSampler(len(data.val), eval_batch, runtime.rank, runtime.world_size)
     loader = build_loader(data.val, sampler, cfg.data, runtime, collate_fn=data.collate_fn)
     precision = resolve_precision(cfg.train.precision, runtime.device)
     metrics = evaluate(experiment, model, loader, runtime, precision, cfg.train.channels_last,
-                       seed=cfg.run.seed, step=loaded.state.step)
+                       seed=cfg.run.seed, step=step)
     if runtime.is_main:
-        record = {"step": loaded.state.step, "split": "val", "checkpoint": str(loaded.path), **metrics}
+        record = {"step": step, "split": "val", "checkpoint": str(loaded.path), **metrics}
         print(json.dumps(record, sort_keys=True), flush=True)
     return metrics

@@ -156,9 +156,9 @@ def draw(cfg: RunConfig, runtime, experiment: Experiment, out_dir: Path) -> list
     metrics = MetricsLogger([sink] if runtime.is_main else [])
     precision = resolve_precision(cfg.train.precision, runtime.device)
     if runtime.is_main:
-        log.info("sampling %s at step %d (%s) on %d process(es) into %s", cfg.experiment, loaded.state.step,
+        log.info("sampling %s at step %d (%s) on %d process(es) into %s", cfg.experiment, int(loaded.info["step"]),
                  loaded.path, runtime.world_size, out_dir)
-    out = Outputs(runtime, loaded.state.step, loaded.state.epoch, True, cfg.run.seed, Path(cfg.run_dir), metrics,
+    out = Outputs(runtime, int(loaded.info["step"]), int(loaded.info["epoch"]), True, cfg.run.seed, Path(cfg.run_dir), metrics,
                   autocast=precision.autocast)
     run_outputs(experiment.outputs, model, out)
     return sink.written

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from hpctrain.errors import UserError
@@ -38,6 +40,15 @@ class TrainState:
     def from_dict(cls, data: dict[str, Any]) -> "TrainState":
         known = {k: int(data[k]) for k in ("step", "epoch", "step_in_epoch", "samples_seen")}
         return cls(**known, global_batch_size=int(data.get("global_batch_size", 0)))
+
+
+def read_state(path: Path) -> TrainState | None:
+    """A checkpoint directory's train state (its state.json), or None when unreadable (the checksum verification
+    of the resume that follows reports it)."""
+    try:
+        return TrainState.from_dict(json.loads((path / "state.json").read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def continue_with_batch(

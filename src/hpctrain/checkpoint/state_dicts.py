@@ -1,0 +1,130 @@
+"""What a checkpoint holds, by name, whatever the strategy: torch.distributed.checkpoint's state_dict helpers.
+
+``get_state_dict`` names every tensor by its parameter's fully qualified name, with DDP's ``module.``, FSDP's
+and torch.compile's wrappers taken off, and the optimizer state flattened to ``state.<name>.<key>`` and
+``param_groups.<name>.<key>``: a checkpoint written under ddp, zero1 or fsdp by W processes is the same set of
+names, and DCP reshards each tensor to whatever the loading ranks hold (a full tensor, or a DTensor shard).
+
+Under zero1 each rank's optimizer holds the state of its partition only: the inner optimizer's state dict then
+names just those parameters, every rank writes its own, and together they are the whole state (DCP keeps the one
+copy of each name). ZeroRedundancyOptimizer.state_dict() itself would first gather everything on one rank.
+
+Only tensors (and the optimizer's per-parameter hyperparameters, which it flattens) go through DCP. The small rest (scheduler, loss scaler, EMA count, the experiment's state) is the
+same on every rank; rank 0 writes it with torch.save (train.pt), and a resume reads it once and broadcasts it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner.load_bytes uses
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+"""Flattened optimizer state: each entry is named by its parameter, so a zero1 rank's partition, a DDP rank's
+whole state and an FSDP rank's shards are all subsets of one set of names."""
+
+REPLICATED = {"ddp": frozenset({"model", "optim", "ema"}), "zero1": frozenset({"model", "ema"}), "fsdp": frozenset()}
+"""The parts of tensor_state() that every rank holds whole, per dist.strategy: a resume reads them once (rank 0)
+and broadcasts them; the others each rank reads its own part of."""
+
+TRAIN_FILE = "train.pt"
+DCP_DIR = "dcp"
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer whose state this rank holds: ZeRO's inner one (its partition), or the optimizer itself."""
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+def tensor_state(stateful: Mapping[str, Any]) -> dict[str, Any]:
+    """The DCP state dict of a training run: model, optimizer and EMA tensors (EMA only when there is one).
+
+    Collective-free under every strategy (FSDP2's sharded state dict is local); it initialises the optimizer's
+    state with a zero step when empty (a fresh optimizer used as the template of a load), as torch's helper does."""
+    optimizer = stateful["optimizer"]
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        _copy_hyperparameters(optimizer.param_groups, optimizer.optim.param_groups)
+    model_sd, optim_sd = get_state_dict(stateful["model"], local_optimizer(optimizer), options=OPTIONS)
+    state = {"model": model_sd, "optim": optim_sd}
+    if stateful.get("ema") is not None:
+        state["ema"] = get_model_state_dict(stateful["ema"].module)
+    return state
+
+
+def small_state(stateful: Mapping[str, Any]) -> dict[str, Any]:
+    """What rank 0 writes to train.pt: the same on every rank, small, loadable with weights_only."""
+    state: dict[str, Any] = {
+        "scheduler": stateful["scheduler"].state_dict(),
+        "scaler": stateful["scaler"].state_dict(),
+    }
+    if stateful.get("ema") is not None:
+        state["ema_n_averaged"] = int(stateful["ema"].n_averaged)
+    if stateful.get("experiment") is not None:
+        state["experiment"] = stateful["experiment"].state_dict()
+    return state
+
+
+def apply_tensor_state(stateful: Mapping[str, Any], loaded: Mapping[str, Any]) -> None:
+    """Put a loaded tensor_state() into the live objects (the template's tensors were filled in place by DCP; this
+    copies them into parameters and optimizer state where the helpers need to, e.g. the optimizer's step counts)."""
+    optimizer = stateful["optimizer"]
+    set_state_dict(stateful["model"], local_optimizer(optimizer), model_state_dict=loaded["model"],
+                   optim_state_dict=loaded["optim"], options=OPTIONS)
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        _sync_outer_groups(optimizer)
+    if "ema" in loaded:
+        set_model_state_dict(stateful["ema"].module, loaded["ema"])
+
+
+def _sync_outer_groups(zero: ZeroRedundancyOptimizer) -> None:
+    """ZeRO copies its own param_groups' hyperparameters into the inner optimizer at every step; after loading the
+    inner one, the outer groups must say the same (the learning rate of the resumed step, among others)."""
+    _copy_hyperparameters(zero.optim.param_groups, zero.param_groups)
+
+
+def _copy_hyperparameters(source: list[dict[str, Any]], target: list[dict[str, Any]]) -> None:
+    """ZeRO keeps the scheduled hyperparameters (lr) in its outer groups and copies them into the inner optimizer
+    only when it steps: after a step and its scheduler step the inner groups hold the last step's lr. A save copies
+    them first (or the checkpoint would resume one step behind on the schedule), a load copies them back out."""
+    for src, dst in zip(source, target, strict=True):
+        dst.update({k: v for k, v in src.items() if k != "params"})
+
+
+def model_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The template to load one model's weights into (eval, sample, predict, export): its state dict by name."""
+    return get_model_state_dict(model)
+
+
+def set_model_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
+    set_model_state_dict(model, dict(weights))
+
+
+def save_planner() -> DefaultSavePlanner:
+    """DCP's planner, with each replicated tensor written by the lowest rank that holds it, i.e. rank 0's copy.
+    Replicated is not always equal: under ddp (and for FSDP's unsharded buffers) each rank's batch-norm statistics
+    are those of its own batches, and DCP's default spreads the writes over the ranks, so a checkpoint held a mix
+    of ranks' statistics. Rank 0's are the ones validation uses and a checkpoint has always held."""
+    return DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, but non-tensor entries are unpickled with weights_only=True (DCP's own uses
+    weights_only=False): a checkpoint cannot run code when it is loaded, as for every file hpctrain reads."""
+
+    def load_bytes(self, read_item, value) -> None:  # type: ignore[override]
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
