@@ -5,8 +5,9 @@
 On a GPU machine it runs on cuda by default (batch 128; the save copies device to host).
 
 State: the DDPM U-Net of the reference experiment (35.7M parameters) with AdamW moments and EMA
-weights, as hpctrain's Checkpointer saves it (model.pt, optim.pt, ema.pt, rng.pt, ...; sha256 and
-fsync included). One process; the saves of the two modes are interleaved. For each save:
+weights, as hpctrain's Checkpointer saves it (torch.distributed.checkpoint files plus train.pt, rng.pt, ...;
+sha256 and fsync included; async: DCP's async_save with its staging buffers kept across saves). One process;
+the saves of the two modes are interleaved. For each save:
 
 - stall: how long the save call held the training loop (sync: the whole write; async: the CPU copy);
 - write: save call to checkpoint complete on disk (async: until settle() returns);
@@ -14,7 +15,7 @@ fsync included). One process; the saves of the two modes are interleaved. For ea
   against the same steps without a write (on a CPU machine the writer competes with training for cores).
 
 Resume: Checkpointer.restore into a freshly built model, optimizer and EMA (pick + sha256 verification
-of every file + torch.load + load_state_dict), i.e. until the first step can run. --dir should be on the
+of every file + DCP load + set_state_dict), i.e. until the first step can run. --dir should be on the
 file system runs use (default: a temporary directory). Median [min, max].
 """
 
@@ -34,6 +35,7 @@ from hpctrain.dist.runtime import single_process_runtime
 from hpctrain.experiments.ddpm.model import UNet
 from hpctrain.train.ema import build_ema
 from hpctrain.train.optim import build_optimizer, build_scheduler
+from hpctrain.train.rng import capture_rng
 from hpctrain.train.state import TrainState
 
 
@@ -62,7 +64,7 @@ def step(stateful: dict, device: torch.device, batch: int) -> float:
 
 def one_save(ckpt: Checkpointer, stateful: dict, at: int, device: torch.device, batch: int, steps: int) -> dict:
     started = time.perf_counter()
-    ckpt.save(TrainState(step=at), stateful)
+    ckpt.save(TrainState(step=at).to_dict(), stateful, capture_rng(device))
     stall = time.perf_counter() - started
     during = [step(stateful, device, batch) for _ in range(steps)]
     ckpt.settle()
@@ -101,7 +103,7 @@ def main() -> None:
         for _ in range(args.repeats):
             fresh = build(device)
             started = time.perf_counter()
-            ckpts["sync"].restore("auto", fresh, seed=0)
+            ckpts["sync"].restore("auto", fresh)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             resume.append(time.perf_counter() - started)

@@ -61,7 +61,7 @@ def load_run(run_dir: Path):
     experiment = cls(cfg)
     model = experiment.build_model()
     loaded = Checkpointer(run_dir, cfg.experiment, single_process_runtime(), "", 1).restore_weights("auto", model)
-    return experiment, model.eval(), loaded.state.step
+    return experiment, model.eval(), int(loaded.info["step"])
 
 
 def _experiment_name(run_dir: Path) -> str:

@@ -318,6 +318,10 @@ def _first_gpu(ctx: Context) -> dict:
     return {"CUDA_VISIBLE_DEVICES": visible}
 
 
+SHARDING_NEEDS_2 = ("needs 2 GPUs: zero1 and fsdp shard over ranks, and NCCL refuses two ranks on one GPU; the "
+                    "CPU runs (tests/dist/test_strategies.py, benchmarks/memory.py) cover the logic")
+
+
 STAGES: list[Stage] = [
     Stage("tests-gpu", lambda ctx: [ctx.python, "-m", "pytest", "tests/gpu", "-q", "-rA", "-p", "no:cacheprovider",
                                     f"--junitxml={ctx.out / 'tests-gpu.xml'}"],
@@ -330,6 +334,11 @@ STAGES: list[Stage] = [
     # cuda:0. NCCL refuses two ranks on one GPU, so the data plane is gloo here, on CUDA tensors.
     Stage("train-2proc-shared-gpu", _train("train-2proc-shared-gpu", 2, "dist.backend=gloo"), 400,
           env=_first_gpu, numbers=train_numbers("train-2proc-shared-gpu", "gloo/cuda")),
+    # FSDP2 over NCCL with bf16 gathers: the same demo under dist.strategy=fsdp, and then zero1.
+    Stage("train-2proc-fsdp", _train("train-2proc-fsdp", 2, "dist.strategy=fsdp"), 400,
+          skip=needs_gpus(2, SHARDING_NEEDS_2), numbers=train_numbers("train-2proc-fsdp", "nccl/cuda")),
+    Stage("train-2proc-zero1", _train("train-2proc-zero1", 2, "dist.strategy=zero1"), 400,
+          skip=needs_gpus(2, SHARDING_NEEDS_2), numbers=train_numbers("train-2proc-zero1", "nccl/cuda")),
     Stage("overhead-mlp", _overhead("mlp"), 600, skip=needs_option("benchmarks/overhead.py", "--device", OVERHEAD_CPU_ONLY),
           numbers=overhead_numbers),
     Stage("overhead-tiny", _overhead("tiny"), 600, skip=needs_option("benchmarks/overhead.py", "--device", OVERHEAD_CPU_ONLY),
@@ -339,6 +348,9 @@ STAGES: list[Stage] = [
     Stage("doctor-perf", _doctor_perf, 300, numbers=preflight_numbers),
     Stage("vote", lambda ctx: [ctx.python, "benchmarks/vote.py"], 300, numbers=table_numbers),
     Stage("compile-order", lambda ctx: [ctx.python, "benchmarks/compile_order.py"], 600, numbers=table_numbers),
+    Stage("memory-strategies", lambda ctx: [ctx.python, "benchmarks/memory.py", "--device", "cuda", "--worlds",
+                                            ",".join(str(w) for w in (1, 2, 4) if w <= ctx.gpus)], 600,
+          skip=needs_gpus(2, SHARDING_NEEDS_2), numbers=table_numbers),
     Stage("ddpm-throughput", lambda ctx: [ctx.python, "benchmarks/ddpm_throughput.py", "--device", "cuda", "--json",
                                           str(ctx.out / "ddpm-throughput.json")], 300, numbers=table_numbers),
     # Generates and shards 5,000 faces first (about a minute on 16 cores), then model-only and end-to-end rows.

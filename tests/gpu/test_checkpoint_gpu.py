@@ -15,6 +15,7 @@ from hpctrain.config.schema import OptimSection
 from hpctrain.dist.runtime import single_process_runtime
 from hpctrain.train.ema import build_ema
 from hpctrain.train.optim import build_optimizer, build_scheduler
+from hpctrain.train.rng import capture_rng, restore_rng
 from hpctrain.train.state import TrainState
 
 pytestmark = [
@@ -91,36 +92,48 @@ def test_staging_copies_cuda_state_into_pinned_buffers_complete_on_return():
         assert torch.equal(snap, source.detach().cpu())
 
 
-def test_sync_and_async_saves_of_cuda_state_write_the_same_cpu_bytes(tmp_path: Path):
+def test_sync_and_async_saves_of_cuda_state_hold_the_same_tensors_and_load_on_the_cpu(tmp_path: Path):
+    """DCP's async_save stages the CUDA state into pinned host memory; both checkpoints hold the state at the call
+    and load on a machine without a GPU (torch's own converter reads them into CPU tensors)."""
+    from tests.conftest import checkpoint_tensors
+
     stateful = cuda_state()
     runtime = single_process_runtime(CUDA)
-    state = TrainState(step=3, epoch=0, step_in_epoch=3, samples_seen=12)
+    state = TrainState(step=3, epoch=0, step_in_epoch=3, samples_seen=12).to_dict()
     torch.manual_seed(1)  # the RNG states (CPU and CUDA) both saves capture
-    Checkpointer(tmp_path / "sync", "toy", runtime, "x = 1\n", 3, async_save=False).save(state, stateful)
+    Checkpointer(tmp_path / "sync", "toy", runtime, "x = 1\n", 3, async_save=False).save(state, stateful,
+                                                                                         capture_rng(CUDA))
+    expected = {k: v.detach().cpu().clone() for k, v in stateful["model"].state_dict().items()}
     torch.manual_seed(1)
     background = Checkpointer(tmp_path / "async", "toy", runtime, "x = 1\n", 3, async_save=True)
-    background.save(state, stateful)
+    background.save(state, stateful, capture_rng(CUDA))
     for _ in range(2):
         train_step(stateful)
     background.settle()
-    sync = storage.check_checkpoint(tmp_path / "sync" / "checkpoints" / "step_00000003").manifest["files"]
-    written = storage.check_checkpoint(tmp_path / "async" / "checkpoints" / "step_00000003").manifest["files"]
-    assert set(sync) == {"model.pt", "optim.pt", "ema.pt", "rng.pt", "state.json", "config.toml"}
-    assert written == sync  # every file: same size and sha256
-    # CPU tensors: a machine without a GPU loads them without a map_location.
-    for name in ("model.pt", "optim.pt", "ema.pt", "rng.pt"):
-        loaded = torch.load(tmp_path / "sync" / "checkpoints" / "step_00000003" / name, weights_only=True)
-        assert all(t.device.type == "cpu" for t in flat(loaded)), name
+    sync_dir = tmp_path / "sync" / "checkpoints" / "step_00000003"
+    async_dir = tmp_path / "async" / "checkpoints" / "step_00000003"
+    for name in ("train.pt", "rng.pt", "state.json", "config.toml"):  # rank 0's files, byte for byte
+        assert storage.check_checkpoint(sync_dir).manifest["files"][name] == \
+            storage.check_checkpoint(async_dir).manifest["files"][name], name
+    for part in ("model", "optim", "ema"):
+        a, b = checkpoint_tensors(sync_dir, part), checkpoint_tensors(async_dir, part)
+        assert a.keys() == b.keys()
+        for key in a:
+            if isinstance(a[key], torch.Tensor):
+                assert a[key].device.type == "cpu" and torch.equal(a[key], b[key]), (part, key)
+    model = checkpoint_tensors(async_dir, "model")
+    assert all(torch.equal(model[k], expected[k]) for k in expected)  # the state at the call, not after
 
 
 def test_a_resume_onto_the_gpu_restores_the_saved_state(tmp_path: Path):
     stateful = cuda_state()
     runtime = single_process_runtime(CUDA)
-    Checkpointer(tmp_path, "toy", runtime, "", 3).save(TrainState(step=3), stateful)
+    Checkpointer(tmp_path, "toy", runtime, "", 3).save(TrainState(step=3).to_dict(), stateful, capture_rng(CUDA))
     after = torch.rand(3, device=CUDA)
     fresh = cuda_state(0)
-    resumed = Checkpointer(tmp_path, "toy", runtime, "", 3).restore("auto", fresh, seed=0)
-    assert resumed.state.step == 3
+    resumed = Checkpointer(tmp_path, "toy", runtime, "", 3).restore("auto", fresh)
+    restore_rng(resumed.rng, CUDA)
+    assert resumed.info["step"] == 3
     for name in ("model", "ema"):
         live, loaded = stateful[name].state_dict(), fresh[name].state_dict()
         assert all(loaded[k].device == live[k].device and torch.equal(loaded[k], live[k]) for k in live), name

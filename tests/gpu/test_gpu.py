@@ -137,3 +137,46 @@ def test_sync_batchnorm_converts_and_trains_on_cuda(tmp_path: Path):
         assert all(p.grad is not None for p in raw.parameters())
     finally:
         dist.destroy_process_group()
+
+
+def test_fsdp_on_cuda_gathers_in_bf16_reduces_in_fp32_and_clips_the_global_norm(tmp_path: Path):
+    """dist.strategy=fsdp on a GPU with bf16: FSDP2's MixedPrecisionPolicy gathers each block's parameters in bf16
+    (what the forward sees) while the sharded master weights and their gradients stay fp32; clipping returns the
+    global norm as a plain tensor; an optimizer step runs on the DTensor shards. A one-rank NCCL group: the real
+    NCCL all-gather and reduce-scatter of FSDP2, not their cross-GPU traffic (that needs 2 GPUs)."""
+    import dataclasses
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from hpctrain.config.load import load_config
+    from hpctrain.dist.runtime import single_process_runtime
+    from hpctrain.dist.wrap import full_value, unwrap_model, wrap_model
+    from hpctrain.experiments.ddpm.experiment import DDPMDigits as cls
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
+                            device_id=device)
+    try:
+        cfg = load_config(cls.name, cls.config_class, experiment_defaults=cls.defaults, overrides=("dist.strategy=fsdp",))
+        runtime = dataclasses.replace(single_process_runtime(device), world_size=2, backend="nccl")
+        experiment = cls(cfg)
+        plain = experiment.build_model()
+        blocks = experiment.fsdp_blocks(plain)
+        seen: list[torch.dtype] = []
+        blocks[0].register_forward_pre_hook(lambda m, a: seen.append(next(m.parameters()).dtype))
+        model = wrap_model(plain, cfg, runtime, blocks=blocks, param_dtype=torch.bfloat16)
+        raw = unwrap_model(model)
+        assert all(isinstance(p, DTensor) and p.dtype == torch.float32 for p in raw.parameters())
+        optimizer = torch.optim.AdamW(raw.parameters(), lr=1e-3)
+        x, t = torch.randn(8, 1, 16, 16, device=device), torch.randint(0, 100, (8,), device=device)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            model(x, t).float().square().mean().backward()
+        assert seen == [torch.bfloat16]
+        assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in raw.parameters())
+        norm = full_value(torch.nn.utils.clip_grad_norm_(raw.parameters(), 1.0))
+        assert not isinstance(norm, DTensor) and torch.isfinite(norm)
+        optimizer.step()
+    finally:
+        dist.destroy_process_group()
