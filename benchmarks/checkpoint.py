@@ -98,7 +98,7 @@ def main() -> None:
                 runs[mode].append(one_save(ckpts[mode], stateful, i + 1, device, batch, args.steps_during))
             baseline += [step(stateful, device, batch) for _ in range(args.steps_during)]
         newest = sorted((Path(tmp) / "sync" / "checkpoints").glob("step_*"))[-1]
-        size = sum(f.stat().st_size for f in newest.iterdir())
+        size = sum(f.stat().st_size for f in newest.rglob("*") if f.is_file())
         resume = []
         for _ in range(args.repeats):
             fresh = build(device)

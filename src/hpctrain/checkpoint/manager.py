@@ -132,11 +132,12 @@ class Checkpointer:
     rank-0 files, the manifest last, renames the directory into place and moves ``latest``. The outcome is
     broadcast, so a failed save (full disk, I/O error) raises on every rank instead of leaving the others waiting.
 
-    With ckpt.async_save, DCP's async_save copies the tensors to CPU memory (the whole pause) and writes them in a
-    thread; a thread of hpctrain's per rank then waits for that write, hashes the rank's files and joins rank 0's
-    gather, and rank 0's thread finishes the checkpoint. Those threads' collectives run on a gloo group of their
-    own: on the default group, or the control plane, they would interleave with the training loop's (measured:
-    a deadlock). The outcome reaches every rank at the next save or when the loop ends (settle).
+    With ckpt.async_save, DCP's stager copies the tensors to CPU memory (the whole pause), and a thread of
+    hpctrain's per rank writes the copy with DCP, hashes the rank's files and joins rank 0's gather; rank 0's thread
+    finishes the checkpoint. (What dcp.async_save does, but in a thread at low priority, see background.py.)
+    Those threads' collectives run on a gloo group of their own: on the default group, or the control plane, they
+    would interleave with the training loop's (measured: a deadlock). The outcome reaches every rank at the next
+    save or when the loop ends (settle).
     """
 
     def __init__(
@@ -212,12 +213,12 @@ class Checkpointer:
         state_json = dict(info) | {"world_size": self.runtime.world_size, "strategy": self.strategy}
         return _Save(step, Path(tmp), small, rngs, state_json, meta)
 
-    def _write_tensors(self, tmp: Path, tensors: dict[str, Any]) -> dict[str, Any]:
-        """Collective (DCP's own plan and result exchange, on the control plane): every rank writes its part; returns
-        this rank's manifest entries. An exception on any rank is raised by DCP on every rank."""
+    def _write_tensors(self, tmp: Path, tensors: dict[str, Any], group: Any = None) -> dict[str, Any]:
+        """Collective (DCP's own plan and result exchange, on the control plane or ``group``): every rank writes its
+        part; returns this rank's manifest entries. An exception on any rank is raised by DCP on every rank."""
         with _single_process_is_meant():
             dcp.save(tensors, storage_writer=FileSystemWriter(str(tmp / dcp_state.DCP_DIR)),
-                     planner=dcp_state.save_planner(), process_group=self.runtime.control,
+                     planner=dcp_state.save_planner(), process_group=group or self.runtime.control,
                      no_dist=not self.runtime.distributed)
         return self._hash_own(tmp)
 
@@ -233,27 +234,24 @@ class Checkpointer:
     def _save_in_background(self, job: _Save, tensors: dict[str, Any], started: float) -> None:
         if self._stager is None:
             cuda = self.runtime.device.type == "cuda"
-            # Pinned buffers and non-blocking copies need CUDA (DCP's default stager refuses them without it); the
-            # stager keeps its CPU buffers from one save to the next.
+            # DCP's stager: a CPU copy of every tensor (DTensor shards included) into buffers it keeps from one save
+            # to the next; pinned, with non-blocking copies and one synchronisation, on GPUs (it refuses those
+            # options without CUDA).
             self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                         use_async_staging=False, use_non_blocking_copy=cuda))
-        try:
-            with _single_process_is_meant():
-                future = dcp.async_save(tensors, storage_writer=FileSystemWriter(str(job.tmp / dcp_state.DCP_DIR)),
-                                        planner=dcp_state.save_planner(), process_group=self._async_group,
-                                        async_stager=self._stager, no_dist=not self.runtime.distributed)
-            paused, error = time.perf_counter() - started, ""
-        except (Exception, CheckpointException) as err:  # staging failed (out of host memory): all ranks hear of it
-            future, paused, error = None, 0.0, describe_error(err)
-        # Whether every rank started its write: a rank that did not would leave the others' threads waiting in DCP.
+        staged, error = _local(lambda: self._stager.stage(tensors))  # the whole pause: a copy, then training goes on
+        paused = time.perf_counter() - started
+        # Whether every rank has its copy: a rank without one would leave the others' writes waiting in DCP.
         if not all(ok for ok in gather_objects(not error, self.runtime)):
-            # The writes that did start wait in DCP's collectives for the missing rank, until the group's timeout
-            # (dist.control_timeout_s) fails them; the checkpoint is dropped and every rank raises now.
-            self._finish(job, {}, error or "another rank failed to start its write", None)
+            self._finish(job, {}, error or "another rank failed to copy its state", None)  # raises everywhere
             return
 
         def complete() -> SaveOutcome:
-            entries, error = _local(lambda: (future.result(), self._hash_own(job.tmp))[1])
+            # DCP's save of the copy, in hpctrain's writer thread at low priority: on few cores the write competes
+            # with training, and dcp.async_save's own thread runs at normal priority (measured on 2 cores with the
+            # DDPM state: training steps 3.7x slower during its write, 1.5x during this one; BENCHMARKS.md). Its
+            # collectives run on the writers' own group.
+            entries, error = _local(lambda: self._write_tensors(job.tmp, staged, self._async_group))
             return self._complete(job, entries or {}, error, self._async_group, time.perf_counter() - started, paused)
 
         self._writer.submit(complete)
