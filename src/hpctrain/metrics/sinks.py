@@ -58,14 +58,22 @@ class JsonlSink:
     """One JSON object per line, flushed per line so a killed job keeps what it logged."""
 
     def __init__(self, path: Path) -> None:
+        self.path = path
         self.file = open(path, "a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
-        self.file.write(json.dumps(record, sort_keys=True) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(record, sort_keys=True) + "\n")
+            self.file.flush()
+        except OSError as err:  # a full disk or quota: the user's to fix, said as such (exit 2), not a traceback
+            raise UserError(f"cannot write {self.path}: {err}",
+                            "free disk space or fix the file system, then resume: the last checkpoint is intact.") from None
 
     def close(self) -> None:
-        self.file.close()
+        try:
+            self.file.close()
+        except OSError:  # what was left in the buffer failed to write; write() has said why
+            pass
 
 
 class TensorBoardSink:
