@@ -13,10 +13,11 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
 # fp32 on the CPU, GroupNorm (no batch-dependent layers), accumulation 2 (micro 10 x 2 ranks x 2), clipping that
 # binds (the norm is ~2-4) and EMA: each strategy's own path for no_sync, the global norm and the EMA update.
 # eval.micro_batch_size=150: 3 validation batches (150, 150, 97) for 2 ranks, so one rank runs a padding batch.
+# channels_last: FSDP2 refuses non-contiguous (channels_last) weights; under fsdp they stay contiguous.
 RUN = ["model.width=8", "model.norm=group", "train.global_batch_size=40", "train.micro_batch_size=10",
        "train.max_steps=20", "log.every_steps=1", "log.plots=false", "log.tensorboard=false", "optim.lr=1e-3",
        "optim.warmup_steps=0", "train.grad_clip=1.0", "optim.ema_decay=0.9", "eval.every_steps=10",
-       "eval.micro_batch_size=150"]
+       "eval.micro_batch_size=150", "train.channels_last=true"]
 
 
 @pytest.fixture(scope="module")

@@ -31,8 +31,11 @@ def place_model(model: nn.Module, cfg: RunConfig, runtime: Runtime) -> nn.Module
                         "(a collective in the forward), so little is compiled; measure both, or set "
                         "train.sync_batchnorm=off (per-GPU statistics) to compile the whole model")
     model = model.to(runtime.device)
-    if cfg.train.channels_last:
+    if cfg.train.channels_last and not (cfg.dist.strategy == "fsdp" and runtime.distributed):
         model = model.to(memory_format=torch.channels_last)
+    # Under fsdp the parameters stay contiguous: FSDP2 shards only contiguous parameters (torch 2.14 raises
+    # NotImplementedError on channels_last weights). The batches are still channels_last (train/device.py), and a
+    # convolution with a channels_last input runs channels_last.
     return model
 
 

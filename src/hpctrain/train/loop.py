@@ -205,7 +205,8 @@ def unsharded_copy(ctx: TrainContext, model: torch.nn.Module) -> torch.nn.Module
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # all-gathers, every rank
-    plain = place_model(ctx.experiment.build_model(), ctx.cfg, ctx.runtime)
+    with torch.random.fork_rng(devices=[]):  # building initialises weights from torch's stream: leave it as it was
+        plain = place_model(ctx.experiment.build_model(), ctx.cfg, ctx.runtime)
     plain.load_state_dict(weights)
     return plain
 
