@@ -12,7 +12,8 @@ from hpctrain.train.entry import resolve
 
 
 @pytest.mark.parametrize("override, key", [("dist.grad_compression=bf16", "dist.grad_compression"),
-                                           ("train.sync_batchnorm=on", "train.sync_batchnorm")])
+                                           ("train.sync_batchnorm=on", "train.sync_batchnorm"),
+                                           ("train.compile=true", "train.compile")])
 def test_fsdp_refuses_what_cannot_apply_to_it_and_says_why(override: str, key: str):
     with pytest.raises(ConfigError) as err:
         resolve("digits", None, ("dist.strategy=fsdp", override))

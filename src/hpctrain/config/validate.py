@@ -87,6 +87,10 @@ def validate(cfg: RunConfig) -> None:
         _require(cfg.train.sync_batchnorm != "on", "train.sync_batchnorm",
                  "'on' is not supported with dist.strategy=fsdp (batch norm statistics stay per rank under fsdp)",
                  "set train.sync_batchnorm=auto or off, or use dist.strategy=ddp or zero1.")
+        _require(not cfg.train.compile, "train.compile",
+                 "is not supported with dist.strategy=fsdp yet: compiling the whole FSDP2 model fails in torch 2.14's "
+                 "inductor (measured: 'Cannot convert expression to float' in the recompile for the validation batch)",
+                 "set train.compile=false with fsdp, or use dist.strategy=zero1 (sharded optimizer state) with compile.")
     _validate_slurm(cfg.slurm)
 
 

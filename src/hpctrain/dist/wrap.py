@@ -58,8 +58,8 @@ def wrap_model(model: nn.Module, cfg: RunConfig, runtime: Runtime, blocks: list[
         # Compile the DDP module, not the other way round (torch's documented order): dynamo's DDPOptimizer then
         # splits the graph at DDP's bucket boundaries, so each bucket's all-reduce starts while the backward of
         # the earlier layers still runs. A compiled module inside DDP runs its whole backward as one graph, and
-        # every bucket fires only after it: no overlap of communication and compute. An FSDP2 module compiles
-        # with its per-block hooks (graph breaks at each all-gather).
+        # every bucket fires only after it: no overlap of communication and compute. (fsdp with compile is refused
+        # by the config: whole-model compile of FSDP2 fails in torch 2.14's inductor.)
         # A graph that fails to compile (a missing C compiler or Triton, an unsupported op) runs eagerly with a
         # logged warning instead of ending the run: dynamo's own fallback, per frame.
         torch._dynamo.config.suppress_errors = True
