@@ -79,8 +79,17 @@ def apply_tensor_state(stateful: Mapping[str, Any], loaded: Mapping[str, Any]) -
     """Put a loaded tensor_state() into the live objects (the template's tensors were filled in place by DCP; this
     copies them into parameters and optimizer state where the helpers need to, e.g. the optimizer's step counts)."""
     optimizer = stateful["optimizer"]
-    set_state_dict(stateful["model"], local_optimizer(optimizer), model_state_dict=loaded["model"],
-                   optim_state_dict=loaded["optim"], options=OPTIONS)
+    inner = local_optimizer(optimizer)
+    # torch's set_state_dict fails (IndexError) on a parameter group without parameters, which ZeRO's partition
+    # gives some ranks: load the groups that have parameters, then put the empty ones back in their places.
+    groups = inner.param_groups
+    inner.param_groups = [g for g in groups if g["params"]]
+    try:
+        set_state_dict(stateful["model"], inner, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"],
+                       options=OPTIONS)
+    finally:
+        filled = iter(inner.param_groups)
+        inner.param_groups = [next(filled) if g["params"] else g for g in groups]
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         _sync_outer_groups(optimizer)
     if "ema" in loaded:
@@ -90,15 +99,16 @@ def apply_tensor_state(stateful: Mapping[str, Any], loaded: Mapping[str, Any]) -
 def _sync_outer_groups(zero: ZeroRedundancyOptimizer) -> None:
     """ZeRO copies its own param_groups' hyperparameters into the inner optimizer at every step; after loading the
     inner one, the outer groups must say the same (the learning rate of the resumed step, among others)."""
-    _copy_hyperparameters(zero.optim.param_groups, zero.param_groups)
+    _copy_hyperparameters(zero.optim.param_groups, zero.param_groups, skip_empty=True)
 
 
-def _copy_hyperparameters(source: list[dict[str, Any]], target: list[dict[str, Any]]) -> None:
+def _copy_hyperparameters(source: list[dict[str, Any]], target: list[dict[str, Any]], skip_empty: bool = False) -> None:
     """ZeRO keeps the scheduled hyperparameters (lr) in its outer groups and copies them into the inner optimizer
     only when it steps: after a step and its scheduler step the inner groups hold the last step's lr. A save copies
     them first (or the checkpoint would resume one step behind on the schedule), a load copies them back out."""
     for src, dst in zip(source, target, strict=True):
-        dst.update({k: v for k, v in src.items() if k != "params"})
+        if src["params"] or not skip_empty:  # an empty inner group loaded nothing: its values are not the run's
+            dst.update({k: v for k, v in src.items() if k != "params"})
 
 
 def model_weights(model: nn.Module) -> dict[str, torch.Tensor]:
