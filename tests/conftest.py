@@ -88,6 +88,22 @@ def write_dcp_checkpoint(root: Path, step: int, parts: dict, files: dict, meta: 
     return storage.finish_checkpoint(root, tmp, step, entries, {"parts": sorted(parts), **meta})
 
 
+@contextlib.contextmanager
+def tmpfs(mount: Path, size: str):
+    """A tmpfs of ``size`` (e.g. "1800k") mounted at ``mount`` for the block, unmounted after it even when the test
+    fails; the test is skipped where mounting is not allowed (not root, no tmpfs)."""
+    mount.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
 def latest_checkpoint(run_dir: Path) -> Path:
     return run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
 

@@ -1,13 +1,11 @@
 """A full disk during a save: every rank fails promptly with a message, the previous checkpoint stays valid."""
 
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from hpctrain.checkpoint import storage
-from tests.conftest import run_hpctrain
+from tests.conftest import run_hpctrain, tmpfs
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(200)]
 
@@ -16,17 +14,8 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(200)]
 def small_disk(tmp_path: Path):
     """A 1800 KiB tmpfs: room for one ~1.1 MB checkpoint of the small digits model (DCP stores each of the
     optimizer's per-parameter hyperparameters as a small pickle: most of its size at this width), not two."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1800k", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "disk", "1800k") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_full_disk_fails_every_rank_and_keeps_the_previous_checkpoint(small_disk: Path):

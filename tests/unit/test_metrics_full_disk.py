@@ -1,29 +1,19 @@
 """A metrics line that cannot be written (full disk, quota) is the user's to fix: a message and exit 2 through
 UserError, not an OSError traceback (with async checkpoints it can be the first write to hit a full disk)."""
 
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from hpctrain.errors import UserError
 from hpctrain.metrics.sinks import JsonlSink
+from tests.conftest import tmpfs
 
 
 @pytest.fixture
 def tiny_disk(tmp_path: Path):
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "disk", "8k") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_a_full_disk_under_the_metrics_file_is_a_user_error_that_names_it(tiny_disk: Path):
