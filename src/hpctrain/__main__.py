@@ -1,3 +1,3 @@
-from hpctrain.cli import main
+from hpctrain.cli import entry_point
 
-raise SystemExit(main())
+entry_point()

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from hpctrain import __version__
 from hpctrain.errors import UserError
+from hpctrain.process_exit import run_and_exit
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -419,6 +420,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     if extra:
         args.overrides = list(args.overrides) + extra
     return args
+
+
+def entry_point() -> NoReturn:
+    """The `hpctrain` program (console script and python -m hpctrain): main(), then an exit that skips the
+    interpreter's finalization, where torch's threads can abort a finished process (see process_exit)."""
+    run_and_exit(main)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -203,4 +203,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from hpctrain.process_exit import run_and_exit
+
+    run_and_exit(main)  # no interpreter finalization, where torch's threads can abort the process

@@ -138,14 +138,17 @@ def single_process_runtime(device: torch.device | None = None) -> Runtime:
 
 
 def shutdown(runtime: Runtime, meet: bool) -> None:
-    """Leave the process group. When every rank is known to be here (success, or an error all ranks
-    raised together) they meet first: a rank that destroys its group while a peer is still finishing
-    the last collective (e.g. rank 0's side of a broadcast) can hang or abort in gloo's teardown
-    ("terminate called without an active exception", seen once in CI after a failed save)."""
-    if not (runtime.backend and dist.is_initialized()):
+    """Leave the process group when every rank is known to be here (success, or an error all ranks raised
+    together): they meet first, since a rank that destroys its group while a peer is still finishing the last
+    collective (e.g. rank 0's side of a broadcast) can hang or abort in gloo's teardown.
+
+    A rank that failed alone leaves the group as it is: its peers are inside a collective it will never join,
+    and destroying the group would close their connections before this rank has reported its error and exited.
+    A peer then fails first on "Connection closed by peer", and its launcher can SIGTERM this rank in the middle
+    of its own report (seen in CI: exit 143 instead of the error's 2). The process's exit closes the group."""
+    if not (runtime.backend and dist.is_initialized()) or not meet:
         return
-    if meet:
-        dist.barrier(group=runtime.control)
+    dist.barrier(group=runtime.control)
     dist.destroy_process_group()
 
 

@@ -40,4 +40,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from hpctrain.process_exit import run_and_exit
+
+    run_and_exit(main)  # no interpreter finalization, where torch's threads can abort the process
