@@ -20,20 +20,26 @@ RUN = ["model.width=8", "model.norm=group", "train.global_batch_size=40", "train
        "eval.micro_batch_size=150", "train.channels_last=true"]
 
 
+# fsdp_zero2: parameters stay gathered between forward and backward (dist.fsdp_reshard_after_forward=false); the
+# validations at steps 10 and 20 run forwards without a backward, which must not leave them gathered for the EMA
+# update, the next step or the checkpoint.
+STRATEGIES = {"ddp": ["dist.strategy=ddp"], "zero1": ["dist.strategy=zero1"], "fsdp": ["dist.strategy=fsdp"],
+              "fsdp_zero2": ["dist.strategy=fsdp", "dist.fsdp_reshard_after_forward=false"]}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     out = {}
-    for strategy in ("ddp", "zero1", "fsdp"):
+    for strategy, options in STRATEGIES.items():
         run_dir = tmp_path_factory.mktemp(strategy)
-        result = run_hpctrain(["train", "digits", f"run.dir={run_dir}", "--nproc-per-node=2", *RUN,
-                               f"dist.strategy={strategy}"], 200)
+        result = run_hpctrain(["train", "digits", f"run.dir={run_dir}", "--nproc-per-node=2", *RUN, *options], 200)
         assert result.returncode == 0, result.output
         assert "micro 10 x 2 ranks x 2 accumulation" in result.stderr
         out[strategy] = run_dir
     return out
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "fsdp"])
+@pytest.mark.parametrize("strategy", ["zero1", "fsdp", "fsdp_zero2"])
 def test_the_same_run_gives_the_same_losses_under_every_strategy(runs: dict[str, Path], strategy: str):
     want, got = train_losses(runs["ddp"]), train_losses(runs[strategy])
     assert sorted(got) == sorted(want) == list(range(1, 21))
@@ -67,3 +73,7 @@ def test_validation_under_fsdp_with_uneven_shares_is_exact(runs: dict[str, Path]
     ddp = validations(runs["ddp"])
     assert ddp[20]["accuracy"] == fsdp[20]["accuracy"]
     assert ddp[20]["loss"] == pytest.approx(fsdp[20]["loss"], rel=1e-4)
+    zero2 = validations(runs["fsdp_zero2"])  # its gathered-after-validation parameters were resharded each time
+    for step in (10, 20):
+        assert zero2[step]["accuracy"] == fsdp[step]["accuracy"]
+        assert zero2[step]["loss"] == pytest.approx(fsdp[step]["loss"], rel=1e-5)

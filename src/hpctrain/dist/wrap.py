@@ -141,6 +141,17 @@ def fsdp_of(model: nn.Module) -> FSDPModule | None:
     return model if isinstance(model, FSDPModule) else None
 
 
+def reshard(model: nn.Module) -> None:
+    """Put every FSDP2 module of ``model`` back in its sharded state. With dist.fsdp_reshard_after_forward=false,
+    FSDP2 keeps a module's parameters gathered after its forward until the backward reshards them; a forward
+    without a backward (validation, the EMA weights') leaves them gathered, registered as plain full tensors, and
+    what reads the parameters next (the EMA update's per-shard lerp, a checkpoint's sharded state dict) sees whole
+    tensors where it expects this rank's shards. A no-op for sharded modules and for models without FSDP."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def full_value(tensor: torch.Tensor | None) -> torch.Tensor | None:
     """A plain tensor of a possibly distributed one (clip_grad_norm_ returns a DTensor under fsdp; its full_tensor
     is a collective, which every rank runs at the same point)."""

@@ -10,6 +10,7 @@ from torch import nn
 
 from hpctrain.dist.collectives import all_reduce_tensors, gather_objects
 from hpctrain.dist.runtime import Runtime
+from hpctrain.dist.wrap import reshard
 from hpctrain.errors import UserError
 from hpctrain.experiments.base import BatchInfo, Experiment, call_eval_stats
 from hpctrain.train.device import to_device
@@ -54,6 +55,7 @@ def evaluate(
                 raise _shape_error(key, tuple(value.shape), tuple(totals[key].shape), runtime.rank)
             totals[key] = totals[key] + value if key in totals else value
     model.train(was_training)
+    reshard(model)  # fsdp_reshard_after_forward=false: no backward follows to reshard the gathered parameters
     sums = all_reduce_tensors(_with_zeros_for_missing(totals, runtime), runtime)
     return experiment.metrics({k: float(v) if v.ndim == 0 else v for k, v in sums.items()})
 
