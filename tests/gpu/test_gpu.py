@@ -139,27 +139,31 @@ def test_sync_batchnorm_converts_and_trains_on_cuda(tmp_path: Path):
         dist.destroy_process_group()
 
 
-def test_fsdp_on_cuda_gathers_in_bf16_reduces_in_fp32_and_clips_the_global_norm(tmp_path: Path):
+@pytest.mark.parametrize("offload", [False, True], ids=["on-gpu", "cpu-offload"])
+def test_fsdp_on_cuda_gathers_in_bf16_reduces_in_fp32_and_clips_the_global_norm(tmp_path: Path, offload: bool):
     """dist.strategy=fsdp on a GPU with bf16: FSDP2's MixedPrecisionPolicy gathers each block's parameters in bf16
     (what the forward sees) while the sharded master weights and their gradients stay fp32; clipping returns the
     global norm as a plain tensor; an optimizer step runs on the DTensor shards. A one-rank NCCL group: the real
-    NCCL all-gather and reduce-scatter of FSDP2, not their cross-GPU traffic (that needs 2 GPUs)."""
+    NCCL all-gather and reduce-scatter of FSDP2, not their cross-GPU traffic (that needs 2 GPUs).
+    With dist.fsdp_cpu_offload the shards and their gradients live on the host, and the clipping norm's all-reduce
+    of CPU tensors needs the group's gloo part (runtime.backend_spec); NCCL alone refuses CPU tensors."""
     import dataclasses
 
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     from hpctrain.config.load import load_config
-    from hpctrain.dist.runtime import single_process_runtime
+    from hpctrain.dist.runtime import backend_spec, single_process_runtime
     from hpctrain.dist.wrap import full_value, unwrap_model, wrap_model
     from hpctrain.experiments.ddpm.experiment import DDPMDigits as cls
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
-                            device_id=device)
+    cfg = load_config(cls.name, cls.config_class, experiment_defaults=cls.defaults,
+                      overrides=("dist.strategy=fsdp", f"dist.fsdp_cpu_offload={str(offload).lower()}"))
+    dist.init_process_group(backend_spec("nccl", cfg.dist), store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1, device_id=device)
     try:
-        cfg = load_config(cls.name, cls.config_class, experiment_defaults=cls.defaults, overrides=("dist.strategy=fsdp",))
         runtime = dataclasses.replace(single_process_runtime(device), world_size=2, backend="nccl")
         experiment = cls(cfg)
         plain = experiment.build_model()
@@ -169,6 +173,7 @@ def test_fsdp_on_cuda_gathers_in_bf16_reduces_in_fp32_and_clips_the_global_norm(
         model = wrap_model(plain, cfg, runtime, blocks=blocks, param_dtype=torch.bfloat16)
         raw = unwrap_model(model)
         assert all(isinstance(p, DTensor) and p.dtype == torch.float32 for p in raw.parameters())
+        assert {p.device.type for p in raw.parameters()} == {"cpu" if offload else "cuda"}
         optimizer = torch.optim.AdamW(raw.parameters(), lr=1e-3)
         x, t = torch.randn(8, 1, 16, 16, device=device), torch.randint(0, 100, (8,), device=device)
         with torch.autocast("cuda", dtype=torch.bfloat16):

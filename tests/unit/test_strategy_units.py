@@ -90,3 +90,19 @@ def test_zero1_optimizer_keeps_every_group_and_its_lr_scale():
             assert [g["lr"] for g in zero.optim.param_groups] == [g["lr"] for g in zero.param_groups]
         finally:
             dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("backend", "overrides", "want"), [
+    ("nccl", ("dist.strategy=fsdp", "dist.fsdp_cpu_offload=true"), "cpu:gloo,cuda:nccl"),
+    ("nccl", ("dist.strategy=fsdp",), "nccl"),
+    ("nccl", ("dist.strategy=ddp",), "nccl"),
+    ("gloo", ("dist.strategy=fsdp", "dist.fsdp_cpu_offload=true"), "gloo"),
+])
+def test_cpu_offload_on_gpus_gives_the_training_group_gloo_for_host_tensors(backend, overrides, want):
+    """The clipping norm of CPU-offloaded shards is an all-reduce of host tensors: NCCL alone refuses them."""
+    from hpctrain.config.load import load_config
+    from hpctrain.dist.runtime import backend_spec
+    from hpctrain.experiments.digits.experiment import DigitsExperiment as cls
+
+    cfg = load_config(cls.name, cls.config_class, experiment_defaults=cls.defaults, overrides=overrides)
+    assert backend_spec(backend, cfg.dist) == want

@@ -104,7 +104,7 @@ def init_runtime(launch: LaunchInfo, cfg: DistSection) -> Runtime:
             os.environ["GLOO_SOCKET_IFNAME"] = ifname
         init_method = "env://" if launch.launcher == "torchrun" else f"tcp://{launch.master_addr}:{launch.master_port}"
         dist.init_process_group(
-            backend=backend,
+            backend=backend_spec(backend, cfg),
             init_method=init_method,
             rank=launch.rank,
             world_size=launch.world_size,
@@ -114,6 +114,15 @@ def init_runtime(launch: LaunchInfo, cfg: DistSection) -> Runtime:
         )
     control = _control_group(cfg) if backend else None
     return Runtime(**dataclasses.asdict(launch), device=device, backend=backend, control=control)
+
+
+def backend_spec(backend: str, cfg: DistSection) -> str:
+    """The training group's backend string. FSDP2's CPU offload keeps the sharded gradients on the host, so the
+    global norm of gradient clipping is an all-reduce of CPU tensors, which NCCL refuses: that group then also has
+    gloo for CPU tensors ("cpu:gloo,cuda:nccl", as torchtitan sets up for offload); CUDA tensors still go to NCCL."""
+    if backend == "nccl" and cfg.strategy == "fsdp" and cfg.fsdp_cpu_offload:
+        return "cpu:gloo,cuda:nccl"
+    return backend
 
 
 def _control_group(cfg: DistSection) -> dist.ProcessGroup:
