@@ -18,6 +18,19 @@ class ToyOptions:
     """Input features."""
     samples: int = 512
     """Training samples."""
+    unused_head: bool = False
+    """Add a trainable layer the loss never uses: its parameters never get a gradient, so the optimizer never
+    makes state for them (a multi-task model with a head switched off, a frozen-by-accident layer)."""
+
+
+class WithUnusedHead(nn.Module):
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(features, 1)
+        self.unused = nn.Linear(features, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
 
 
 class LinearToy(Experiment):
@@ -32,6 +45,8 @@ class LinearToy(Experiment):
         return TensorDataset(x, x @ w + 0.1 * torch.randn(n, generator=g))
 
     def build_model(self) -> nn.Module:
+        if self.options.unused_head:
+            return WithUnusedHead(self.options.features)
         return nn.Linear(self.options.features, 1)
 
     def build_datasets(self) -> Datasets:

@@ -106,3 +106,15 @@ def test_cpu_offload_on_gpus_gives_the_training_group_gloo_for_host_tensors(back
 
     cfg = load_config(cls.name, cls.config_class, experiment_defaults=cls.defaults, overrides=overrides)
     assert backend_spec(backend, cfg.dist) == want
+
+
+def test_saved_optimizer_params_reads_parameters_and_their_state_from_dcp_names():
+    """Dotted parameter names, and state keys without dots: the parameter is everything between prefix and key."""
+    from hpctrain.checkpoint.state_dicts import saved_optimizer_params
+
+    names = ["model.fc.weight", "optim.param_groups.fc.weight.lr", "optim.param_groups.blocks.0.conv.weight.lr",
+             "optim.param_groups.head.bias.lr", "optim.state.fc.weight.exp_avg", "optim.state.fc.weight.step",
+             "optim.state.blocks.0.conv.weight.exp_avg", "ema.fc.weight"]
+    optimized, with_state = saved_optimizer_params(names)
+    assert optimized == {"fc.weight", "blocks.0.conv.weight", "head.bias"}
+    assert with_state == {"fc.weight", "blocks.0.conv.weight"}

@@ -345,6 +345,13 @@ class Checkpointer:
             raise on_every_rank(UserError(f"checkpoint '{path}' has no EMA weights, but optim.ema_decay > 0",
                                           "set optim.ema_decay=0 or start a new run."))
         template = dcp_state.tensor_state(stateful)
+        optimized, with_state = self._saved_optimizer_params(path)
+        dcp_state.drop_unsaved_optimizer_state(stateful, template, with_state)
+        stateless = sorted(optimized - with_state)
+        if stateless and self.runtime.is_main:
+            log.info("checkpoint %s holds no optimizer state for %d parameter(s) that never had a gradient (%s): they "
+                     "resume without state, as in the uninterrupted run", path, len(stateless),
+                     ", ".join(stateless[:3]) + (", ..." if len(stateless) > 3 else ""))
         replicated = dcp_state.REPLICATED[self.strategy]
         self._load_once_and_broadcast(path, {k: v for k, v in template.items() if k in replicated})
         sharded = {k: v for k, v in template.items() if k not in replicated}
@@ -360,6 +367,25 @@ class Checkpointer:
                      path, saved_strategy, saved_world, self.strategy, self.runtime.world_size)
         barrier(self.runtime)
         return Resumed(path, info, saved_world, rng, chosen.parts)
+
+    def _saved_optimizer_params(self, path: Path) -> tuple[set[str], set[str]]:
+        """Collective: state_dicts.saved_optimizer_params of the checkpoint's DCP metadata, which rank 0 reads (once,
+        not once per rank) and broadcasts."""
+        names: tuple[list[str], list[str]] = ([], [])
+        error = ""
+        if self.runtime.is_main:
+            try:
+                metadata = FileSystemReader(str(path / dcp_state.DCP_DIR)).read_metadata()
+                optimized, with_state = dcp_state.saved_optimizer_params(metadata.state_dict_metadata)
+                names = (sorted(optimized), sorted(with_state))
+            except Exception as err:  # noqa: BLE001 - any failure must reach the other ranks
+                error = f"cannot read the DCP metadata of checkpoint '{path}': {type(err).__name__}: {err}"
+        if self.runtime.distributed:
+            names, error = broadcast_object((names, error), self.runtime)
+        if error:
+            raise on_every_rank(UserError(error, "resume from another checkpoint (ckpt.resume=PATH) or use a new "
+                                                 "run.dir."))
+        return set(names[0]), set(names[1])
 
     def _load_once_and_broadcast(self, path: Path, template: dict[str, Any]) -> None:
         """The parts every rank holds whole (the model under ddp and zero1, the optimizer under ddp): rank 0 reads

@@ -15,7 +15,7 @@ same on every rank; rank 0 writes it with torch.save (train.pt), and a resume re
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -73,6 +73,46 @@ def small_state(stateful: Mapping[str, Any]) -> dict[str, Any]:
     if stateful.get("experiment") is not None:
         state["experiment"] = stateful["experiment"].state_dict()
     return state
+
+
+def saved_optimizer_params(checkpoint_names: Iterable[str]) -> tuple[set[str], set[str]]:
+    """(every parameter of the saved optimizer, those it holds state for), by name, from the names in a
+    checkpoint's DCP metadata: ``optim.param_groups.<param>.<key>`` for each parameter, ``optim.state.<param>.<key>``
+    for its state (a key such as lr or exp_avg has no dot, a parameter's name may)."""
+    found: dict[str, set[str]] = {"optim.param_groups.": set(), "optim.state.": set()}
+    for name in checkpoint_names:
+        for prefix, names in found.items():
+            if name.startswith(prefix):
+                names.add(name[len(prefix):name.rindex(".")])
+    return found["optim.param_groups."], found["optim.state."]
+
+
+def drop_unsaved_optimizer_state(stateful: Mapping[str, Any], template: dict[str, Any], saved: set[str]) -> list[str]:
+    """Take out of a load template, and out of the live optimizer, the state of parameters the checkpoint has none
+    for: a trainable parameter that never got a gradient (a head the loss does not use) never had optimizer
+    state, but the template's zero step (torch's _init_optim_state) gives every parameter some, and the load then
+    fails on a missing name. Without state the resumed optimizer treats the parameter as the uninterrupted run
+    does: fresh, should it ever get a gradient. Only parameters with no saved state at all are dropped; one with
+    some of its keys missing (another optimizer) is still a mismatch that the load reports. Returns the names."""
+    optim = template.get("optim", {})
+    keys_by_param: dict[str, list[str]] = {}
+    for key in optim:
+        if key.startswith("state."):
+            keys_by_param.setdefault(key[len("state."):key.rindex(".")], []).append(key)
+    dropped = sorted(name for name in keys_by_param if name not in saved)
+    if not dropped:
+        return []
+    inner = local_optimizer(stateful["optimizer"])
+    # The template holds the live state's own tensors (get_state_dict does not copy): each names its parameter.
+    owner = {id(v): p for p, st in inner.state.items() for v in st.values() if isinstance(v, torch.Tensor)}
+    for name in dropped:
+        for key in keys_by_param[name]:
+            param = owner.get(id(optim.pop(key)))
+            if param is not None:
+                # Emptied, not removed: an optimizer whose state is empty altogether (a zero1 rank whose partition
+                # is only such parameters) would get torch's zero step again inside set_state_dict.
+                inner.state[param] = {}
+    return dropped
 
 
 def apply_tensor_state(stateful: Mapping[str, Any], loaded: Mapping[str, Any]) -> None:

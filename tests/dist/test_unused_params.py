@@ -1,0 +1,38 @@
+"""A trainable parameter that never gets a gradient (a head the loss does not use) has no optimizer state, so its
+checkpoint names none for it: a resume, under any strategy and size, loads the rest and leaves it stateless, as in
+the uninterrupted run (it used to stop with "Missing key in checkpoint state_dict: optim.state.unused...")."""
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import checkpoint_tensors, latest_checkpoint, run_hpctrain, train_losses
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
+
+TOY = ["toy_experiment:LinearToy", "model.unused_head=true", "train.max_steps=8", "log.every_steps=1",
+       "train.global_batch_size=32", "train.micro_batch_size=8", "optim.warmup_steps=0", "eval.every_steps=0",
+       "dist.find_unused_parameters=true"]  # DDP needs it for a parameter without a gradient
+
+
+def train(run_dir: Path, nproc: int, *extra: str):
+    result = run_hpctrain(["train", *TOY, f"run.dir={run_dir}", f"--nproc-per-node={nproc}", *extra], 150)
+    assert result.returncode == 0, result.output
+    return result
+
+
+def test_a_parameter_without_gradients_resumes_under_every_strategy(tmp_path: Path):
+    train(tmp_path / "straight", 1)
+    run = tmp_path / "run"
+    for nproc, strategy, stop in [(2, "fsdp", 2), (2, "zero1", 4), (2, "ddp", 6), (1, "ddp", 0)]:
+        result = train(run, nproc, f"dist.strategy={strategy}", *([f"train.stop_at_step={stop}"] if stop else []))
+        if stop != 2:
+            assert "holds no optimizer state for 2 parameter(s) that never had a gradient (unused.bias, " \
+                   "unused.weight)" in result.stderr
+    got, want = train_losses(run), train_losses(tmp_path / "straight")
+    assert sorted(got) == sorted(want) == list(range(1, 9))
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-5), step
+    optim = checkpoint_tensors(latest_checkpoint(run), "optim")
+    assert any(name.startswith("state.fc.weight.") for name in optim)
+    assert not any(name.startswith("state.unused.") for name in optim)
