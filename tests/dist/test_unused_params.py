@@ -24,7 +24,8 @@ def train(run_dir: Path, nproc: int, *extra: str):
 def test_a_parameter_without_gradients_resumes_under_every_strategy(tmp_path: Path):
     train(tmp_path / "straight", 1)
     run = tmp_path / "run"
-    for nproc, strategy, stop in [(2, "fsdp", 2), (2, "zero1", 4), (2, "ddp", 6), (1, "ddp", 0)]:
+    # Each launch resumes the one before: into fsdp (DTensor state), zero1 (partitions), ddp, one process.
+    for nproc, strategy, stop in [(2, "zero1", 2), (2, "fsdp", 4), (2, "ddp", 6), (1, "ddp", 0)]:
         result = train(run, nproc, f"dist.strategy={strategy}", *([f"train.stop_at_step={stop}"] if stop else []))
         if stop != 2:
             assert "holds no optimizer state for 2 parameter(s) that never had a gradient (unused.bias, " \

@@ -30,6 +30,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from hpctrain.dist.wrap import unwrap_model
+
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 """Flattened optimizer state: each entry is named by its parameter, so a zero1 rank's partition, a DDP rank's
 whole state and an FSDP rank's shards are all subsets of one set of names."""
@@ -103,16 +105,23 @@ def drop_unsaved_optimizer_state(stateful: Mapping[str, Any], template: dict[str
     if not dropped:
         return []
     inner = local_optimizer(stateful["optimizer"])
-    # The template holds the live state's own tensors (get_state_dict does not copy): each names its parameter.
-    owner = {id(v): p for p, st in inner.state.items() for v in st.values() if isinstance(v, torch.Tensor)}
+    params = _params_by_name(stateful["model"])
     for name in dropped:
         for key in keys_by_param[name]:
-            param = owner.get(id(optim.pop(key)))
-            if param is not None:
-                # Emptied, not removed: an optimizer whose state is empty altogether (a zero1 rank whose partition
-                # is only such parameters) would get torch's zero step again inside set_state_dict.
-                inner.state[param] = {}
+            optim.pop(key)
+        if name in params:
+            # Emptied, not removed: an optimizer whose state is empty altogether (a zero1 rank whose partition is
+            # only such parameters) would get torch's zero step again inside set_state_dict.
+            inner.state[params[name]] = {}
     return dropped
+
+
+def _params_by_name(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Parameters by the names get_state_dict gives them: without DDP's, torch.compile's and activation
+    checkpointing's wrapper names (FSDP2 adds none)."""
+    plain = unwrap_model(model)
+    return {".".join(p for p in name.split(".") if p != "_checkpoint_wrapped_module"): param
+            for name, param in plain.named_parameters()}
 
 
 def apply_tensor_state(stateful: Mapping[str, Any], loaded: Mapping[str, Any]) -> None:
