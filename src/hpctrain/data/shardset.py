@@ -26,11 +26,13 @@ stream. hpctrain keeps its one rule instead: the epoch's global order is a funct
 
 from __future__ import annotations
 
-import bisect
+import fcntl
+import hashlib
 import io
 import json
 import os
 import re
+import tempfile
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +43,7 @@ import torch
 from torch.utils.data import Dataset
 
 from hpctrain.data.seeding import SALT_ORDER, generator
+from hpctrain.data.shard_index import ShardIndex, load_shard_index
 from hpctrain.data.shards import INDEX, MANIFEST, WRITING
 from hpctrain.errors import UserError
 
@@ -189,27 +192,20 @@ class ShardDataset(Dataset):
         self.block_bytes = block_bytes
         self.cache_bytes = cache_bytes
         self.decode = decode
-        index = load_index(self.split_dir)
-        self.shard_names = [s["name"] for s in index["shards"]]
-        self.sizes = [len(s["keys"]) for s in index["shards"]]
-        # Offsets as one int64 array per shard and extension (-1: member absent): a JSON list of lists costs
-        # ~100 bytes per sample in every loader process, which for millions of samples is gigabytes.
-        self._keys = [s["keys"] for s in index["shards"]]
-        self._members = [
-            {ext: np.array([c if c is not None else (-1, -1) for c in col], dtype=np.int64).reshape(-1, 2)
-             for ext, col in s["members"].items()}
-            for s in index["shards"]
-        ]
-        self._starts = [0]
-        for n in self.sizes:
-            self._starts.append(self._starts[-1] + n)
-        if self._starts[-1] == 0:
+        # Memory-mapped arrays (shard_index.py), not index.json's Python lists: ~100 bytes per sample parsed in
+        # every rank and pickled into every loader worker would be gigabytes at millions of samples.
+        self._index = open_shard_index(self.split_dir)
+        self.shard_names = list(self._index.names)
+        self.sizes = self._index.sizes()
+        if not self.shard_names:
+            raise UserError(f"{self.split_dir / INDEX} lists no shards", "create shards with hpctrain shard.")
+        if len(self._index) == 0:
             raise UserError(f"the shards in {self.split_dir} hold no samples", "re-create them with hpctrain shard.")
-        _check_sizes(self.split_dir)
+        check_sizes_once_per_node(self.split_dir)
         self._reader: BlockReader | None = None
 
     def __len__(self) -> int:
-        return self._starts[-1]
+        return len(self._index)
 
     def epoch_order(self, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
         """Used by the step sampler in place of a full permutation (see the module docstring)."""
@@ -229,10 +225,10 @@ class ShardDataset(Dataset):
     def locate(self, i: int) -> _Located:
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} outside 0..{len(self) - 1}")
-        shard = bisect.bisect_right(self._starts, i) - 1
-        j = i - self._starts[shard]
-        members = {ext: (int(col[j, 0]), int(col[j, 1])) for ext, col in self._members[shard].items() if col[j, 0] >= 0}
-        return _Located(shard, self._keys[shard][j], members)
+        index = self._index
+        shard = int(np.searchsorted(index.starts, i, side="right")) - 1
+        members = {ext: (int(col[i, 0]), int(col[i, 1])) for ext, col in index.members.items() if col[i, 0] >= 0}
+        return _Located(shard, index.key(i), members)
 
     def where(self, loc: _Located) -> str:
         return f"sample '{loc.key}' of shard {self.split_dir / self.shard_names[loc.shard]}"
@@ -261,6 +257,29 @@ class ShardDataset(Dataset):
         return value
 
 
+def check_sizes_once_per_node(split_dir: Path) -> None:
+    """_check_sizes once per node and launch, not once per rank: the ranks of a node (same launch: torchrun's run id,
+    or the Slurm job, step and restart) wait on a node-local lock, and the first leaves a marker for the others.
+    10,000 shards on a parallel file system are 10,000 metadata operations; 8 ranks a node need not repeat them."""
+    launch = [os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID",
+                                                "SLURM_RESTART_COUNT")]
+    if not any(launch):  # one process started by hand: nobody to share the check with
+        _check_sizes(split_dir)
+        return
+    manifest = (split_dir / MANIFEST).stat()
+    key = hashlib.sha256(json.dumps([str(split_dir.resolve()), manifest.st_size, manifest.st_mtime_ns, launch])
+                         .encode()).hexdigest()[:24]
+    folder = Path(tempfile.gettempdir()) / "hpctrain-index"
+    folder.mkdir(parents=True, exist_ok=True)
+    marker = folder / f"sizes-checked-{key}"
+    with open(folder / f"sizes-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.exists():
+            return
+        _check_sizes(split_dir)
+        marker.touch()
+
+
 def _check_sizes(split_dir: Path) -> None:
     """Each shard's size against the manifest (a stat each, no reading): a truncated copy or a shard
     rewritten after indexing is refused before training rather than failing mid-epoch."""
@@ -277,8 +296,9 @@ def _check_sizes(split_dir: Path) -> None:
                             "rewritten after indexing", "copy it again, or re-create / re-index the shard set.")
 
 
-def load_index(split_dir: Path) -> dict[str, Any]:
-    """The split's index; shards from another writer (no index yet) get a clear instruction."""
+def index_path(split_dir: Path) -> Path:
+    """The split's index.json, after the checks that need no parsing; shards from another writer (no index yet)
+    get a clear instruction."""
     if not split_dir.is_dir():
         raise UserError(f"shard directory {split_dir} does not exist", "create shards with: hpctrain shard SOURCE OUT --format ...")
     path = split_dir / INDEX
@@ -295,6 +315,12 @@ def load_index(split_dir: Path) -> dict[str, Any]:
     if not (split_dir / MANIFEST).exists():
         raise UserError(f"{split_dir} has no {MANIFEST}: the shard set is incomplete (writing was interrupted?)",
                         "re-create it with hpctrain shard.")
+    return path
+
+
+def load_index(split_dir: Path) -> dict[str, Any]:
+    """The split's index, parsed (index_path's checks first)."""
+    path = index_path(split_dir)
     try:
         index = json.loads(path.read_text())
         shards = index["shards"]
@@ -303,3 +329,14 @@ def load_index(split_dir: Path) -> dict[str, Any]:
     if not shards:
         raise UserError(f"{path} lists no shards", "create shards with hpctrain shard.")
     return index
+
+
+def open_shard_index(split_dir: Path) -> ShardIndex:
+    """The memory-mapped form of the split's index (shard_index.py), built from index.json when it is missing or
+    older than index.json; a malformed index.json is reported as load_index reports it."""
+    path = index_path(split_dir)
+    try:
+        return load_shard_index(split_dir, path)
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise UserError(f"{path} is not a valid shard index ({type(err).__name__}: {err})",
+                        f"re-index: hpctrain shard --index-only {split_dir}") from None
