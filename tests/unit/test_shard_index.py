@@ -130,3 +130,19 @@ def test_index_only_sets_from_other_writers_too(tmp_path: Path, split: Path):
     assert index_directory(split) == 40
     index = load_shard_index(split, split / INDEX)
     assert len(index) == 40 and index.key(0) == "000000"
+
+
+def test_the_start_up_benchmark_prints_its_table(tmp_path: Path, monkeypatch, capsys):
+    """benchmarks/index_startup.py on a small generated set, one repeat: the set it writes is one hpctrain reads,
+    and the table has both rows of this tree."""
+    from tests.conftest import benchmark_module
+
+    with benchmark_module("index_startup") as bench:
+        monkeypatch.setattr(sys, "argv", ["index_startup.py", "--samples", "3000", "--shards", "30", "--repeats", "1",
+                                          "--workdir", str(tmp_path)])
+        bench.main()
+    out = capsys.readouterr().out
+    assert "3,000 samples in 30 shards" in out
+    assert "| this tree, first |" in out and "| this tree, then |" in out
+    ds = ShardDataset(tmp_path / "3000-30" / "train", ["png", "cls"])
+    assert len(ds) == 3000 and ds.locate(2999).key == "000002999"
