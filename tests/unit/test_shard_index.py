@@ -117,6 +117,14 @@ def test_sizes_are_checked_once_per_node_and_launch(split: Path, monkeypatch, tm
     ShardDataset(split, ["png"])  # one process started by hand: always
     ShardDataset(split, ["png"])
     assert len(checks) == 4
+    markers = sorted((tmp_path / "node" / "hpctrain-index").glob("sizes-*"))
+    assert len(markers) == 4  # a marker and a lock per launch
+    for old in markers[:2]:
+        os.utime(old, (1, 1))  # launches long gone
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-3")
+    ShardDataset(split, ["png"])
+    assert len(checks) == 5 and len(list((tmp_path / "node" / "hpctrain-index").glob("sizes-*"))) == 4
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     with open(split / "train-000000.tar", "ab") as f:  # and a wrong size is still found
         f.write(b"x")
     with pytest.raises(UserError, match="truncated or was rewritten"):

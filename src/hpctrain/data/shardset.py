@@ -33,6 +33,7 @@ import json
 import os
 import re
 import tempfile
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -278,6 +279,19 @@ def check_sizes_once_per_node(split_dir: Path) -> None:
             return
         _check_sizes(split_dir)
         marker.touch()
+    _forget_old_markers(folder)
+
+
+def _forget_old_markers(folder: Path, age_s: float = 86_400) -> None:
+    """Each launch leaves a marker and a lock file: those of launches a day old go (a node's $TMPDIR is not ours
+    to fill)."""
+    cutoff = time.time() - age_s
+    for path in folder.glob("sizes-*"):
+        try:
+            if path.stat().st_mtime < cutoff:
+                path.unlink()
+        except OSError:  # another rank removed it first
+            pass
 
 
 def _check_sizes(split_dir: Path) -> None:
