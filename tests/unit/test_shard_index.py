@@ -86,7 +86,12 @@ def test_processes_building_at_once_agree_on_one_index(split: Path):
             "i = load_shard_index(Path(sys.argv[1]), Path(sys.argv[1]) / 'index.json'); print(len(i), i.key(39))")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(split)], stdout=subprocess.PIPE, text=True)
              for _ in range(4)]
-    assert [p.communicate(timeout=60)[0].strip() for p in procs] == ["40 000039"] * 4
+    try:
+        assert [p.communicate(timeout=60)[0].strip() for p in procs] == ["40 000039"] * 4
+    finally:
+        for p in procs:  # a hung builder must not outlive the test
+            p.kill()
+            p.wait()
     assert not [p for p in split.iterdir() if p.name.startswith(f".{CACHE_DIR}.")], "a temporary folder was left"
 
 

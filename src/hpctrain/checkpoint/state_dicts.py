@@ -89,21 +89,21 @@ def saved_optimizer_params(checkpoint_names: Iterable[str]) -> tuple[set[str], s
     return found["optim.param_groups."], found["optim.state."]
 
 
-def drop_unsaved_optimizer_state(stateful: Mapping[str, Any], template: dict[str, Any], saved: set[str]) -> list[str]:
+def drop_unsaved_optimizer_state(stateful: Mapping[str, Any], template: dict[str, Any], saved: set[str]) -> None:
     """Take out of a load template, and out of the live optimizer, the state of parameters the checkpoint has none
     for: a trainable parameter that never got a gradient (a head the loss does not use) never had optimizer
     state, but the template's zero step (torch's _init_optim_state) gives every parameter some, and the load then
     fails on a missing name. Without state the resumed optimizer treats the parameter as the uninterrupted run
     does: fresh, should it ever get a gradient. Only parameters with no saved state at all are dropped; one with
-    some of its keys missing (another optimizer) is still a mismatch that the load reports. Returns the names."""
+    some of its keys missing (another optimizer) is still a mismatch that the load reports."""
     optim = template.get("optim", {})
     keys_by_param: dict[str, list[str]] = {}
     for key in optim:
         if key.startswith("state."):
             keys_by_param.setdefault(key[len("state."):key.rindex(".")], []).append(key)
-    dropped = sorted(name for name in keys_by_param if name not in saved)
+    dropped = [name for name in keys_by_param if name not in saved]
     if not dropped:
-        return []
+        return
     inner = local_optimizer(stateful["optimizer"])
     params = _params_by_name(stateful["model"])
     for name in dropped:
@@ -113,7 +113,6 @@ def drop_unsaved_optimizer_state(stateful: Mapping[str, Any], template: dict[str
             # Emptied, not removed: an optimizer whose state is empty altogether (a zero1 rank whose partition is
             # only such parameters) would get torch's zero step again inside set_state_dict.
             inner.state[params[name]] = {}
-    return dropped
 
 
 def _params_by_name(model: nn.Module) -> dict[str, nn.Parameter]:

@@ -91,10 +91,15 @@ def _stamp(index_path: Path) -> dict[str, Any]:
     return {"version": VERSION, "index": str(index_path.resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
+def node_local_folder() -> Path:
+    """hpctrain's folder in this node's temporary directory ($TMPDIR): index copies and size-check markers."""
+    return Path(tempfile.gettempdir()) / "hpctrain-index"
+
+
 def _candidate_folders(split_dir: Path) -> list[Path]:
     """Beside the shards, then a node-local folder named for the split's absolute path."""
     digest = hashlib.sha256(str(split_dir.resolve()).encode()).hexdigest()[:16]
-    return [split_dir / CACHE_DIR, Path(tempfile.gettempdir()) / "hpctrain-index" / digest]
+    return [split_dir / CACHE_DIR, node_local_folder() / digest]
 
 
 def _current(folder: Path, stamp: dict[str, Any]) -> bool:

@@ -32,7 +32,6 @@ import io
 import json
 import os
 import re
-import tempfile
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ import torch
 from torch.utils.data import Dataset
 
 from hpctrain.data.seeding import SALT_ORDER, generator
-from hpctrain.data.shard_index import ShardIndex, load_shard_index
+from hpctrain.data.shard_index import ShardIndex, load_shard_index, node_local_folder
 from hpctrain.data.shards import INDEX, MANIFEST, WRITING
 from hpctrain.errors import UserError
 
@@ -270,7 +269,7 @@ def check_sizes_once_per_node(split_dir: Path) -> None:
     manifest = (split_dir / MANIFEST).stat()
     key = hashlib.sha256(json.dumps([str(split_dir.resolve()), manifest.st_size, manifest.st_mtime_ns, launch])
                          .encode()).hexdigest()[:24]
-    folder = Path(tempfile.gettempdir()) / "hpctrain-index"
+    folder = node_local_folder()
     folder.mkdir(parents=True, exist_ok=True)
     marker = folder / f"sizes-checked-{key}"
     with open(folder / f"sizes-{key}.lock", "w") as lock:

@@ -16,8 +16,6 @@ from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import AveragedModel
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-from hpctrain.dist.wrap import reshard
-
 
 class EMA(AveragedModel):
     def __init__(self, model: nn.Module, decay: float) -> None:
@@ -32,10 +30,6 @@ class EMA(AveragedModel):
         """The same arithmetic as AveragedModel with get_ema_multi_avg_fn(decay): a copy on the first update,
         then lerp towards the model by 1 - decay (integer buffers: the same formula, truncated)."""
         # Under fsdp both modules are sharded the same way: each rank averages its own shards (local tensors).
-        # Sharded first: a forward without a backward under fsdp_reshard_after_forward=false leaves a module's
-        # parameters gathered (evaluate reshards after itself; this is the guard for any other such forward).
-        reshard(self.module)
-        reshard(model)
         mine = [_local(t) for t in itertools.chain(self.module.parameters(), self.module.buffers())]
         theirs = [_local(t) for t in itertools.chain(model.parameters(), model.buffers())]
         if int(self.n_averaged) == 0:  # n_averaged lives on the CPU: reading it costs no device synchronisation
