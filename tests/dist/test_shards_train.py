@@ -81,3 +81,25 @@ def test_unreadable_sample_stops_with_its_name_or_is_counted(tmp_path: Path, sha
     assert "unreadable sample(s) skipped on all ranks (data.on_error=skip)" in skip.stderr
     records = [r for r in read_jsonl(tmp_path / "skip" / "metrics.jsonl") if r["split"] == "data"]
     assert [r["skipped_samples"] for r in records] == [1, 1], "one skip per epoch, reported at each epoch's end"
+
+
+def test_shard_local_order_resumes_exactly_at_the_same_world_size(tmp_path: Path, shards: Path):
+    """data.order=shard_local through torchrun: a run stopped mid-epoch and resumed on as many processes equals a
+    straight one (loader workers do not matter); a switch of order mid-epoch is named in a warning."""
+    straight = train(tmp_path / "straight", shards, 2, 0, "data.order=shard_local")
+    assert straight.returncode == 0, straight.output
+    assert "data.order=shard_local:" in straight.stderr and "dealt to 2 ranks" in straight.stderr
+    first = train(tmp_path / "stopped", shards, 2, 1, "data.order=shard_local", "train.stop_at_step=2")
+    assert first.returncode == 0, first.output
+    resumed = train(tmp_path / "stopped", shards, 2, 2, "data.order=shard_local")
+    assert resumed.returncode == 0, resumed.output
+    assert "follows this run's order" not in resumed.stderr
+    reference, stopped = losses(tmp_path / "straight"), losses(tmp_path / "stopped")
+    assert sorted(stopped) == sorted(reference) == list(range(1, 7))
+    for step, loss in reference.items():
+        assert stopped[step] == pytest.approx(loss, rel=1e-5), f"step {step}"
+    switched = train(tmp_path / "stopped2", shards, 2, 0, "train.stop_at_step=2")
+    assert switched.returncode == 0, switched.output
+    back = train(tmp_path / "stopped2", shards, 2, 0, "data.order=shard_local")
+    assert back.returncode == 0, back.output
+    assert "written with data.order=exact, this run has data.order=shard_local" in back.stderr

@@ -103,8 +103,15 @@ class DataSection:
     shuffle_window: int = 4096
     """Sharded sets: samples are shuffled within windows of this many consecutive samples of the epoch's shard
     stream (shards permuted per epoch). Larger mixes better and reads more bytes per step's worth of samples."""
+    order: Literal["exact", "shard_local"] = "exact"
+    """Sharded sets: the epoch's order. exact: step k's samples depend only on (seed, epoch, k), whatever the
+    number of processes (a resume may change it), and every node reads nearly the whole set per epoch. shard_local:
+    each rank reads its own shards (dealt per epoch, shuffled within data.shuffle_window), so a node reads about
+    1/nodes of it; deterministic and resumable at a fixed number of processes only (see docs/data.md)."""
     read_block_kb: int = 1024
-    """Sharded sets: shards are read in aligned blocks of this size (large sequential reads)."""
+    """Sharded sets: shards are read in aligned blocks of this size (large sequential reads). A node reads every
+    block holding one of its samples: for large samples on many nodes, near the sample size (e.g. 128 for ~110 KB
+    JPEGs) cuts the exact order's shared-file-system reads about 4x (docs/data.md, "Data at cluster scale")."""
     read_cache_mb: int = 128
     """Sharded sets: block cache per loader process; make it hold a shuffle window's bytes."""
     on_device: bool = False

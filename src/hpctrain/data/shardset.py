@@ -43,6 +43,7 @@ import torch
 from torch.utils.data import Dataset
 
 from hpctrain.data.seeding import SALT_ORDER, generator
+from hpctrain.data.shard_local import RankLayout, shard_local_order, window_shuffle
 from hpctrain.data.shard_index import ShardIndex, load_shard_index, node_local_folder
 from hpctrain.data.shards import INDEX, MANIFEST, WRITING
 from hpctrain.errors import UserError
@@ -67,13 +68,7 @@ def shard_epoch_order(sizes: Sequence[int], seed: int, epoch: int, window: int, 
         starts.append(starts[-1] + int(n))
     stream = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in torch.randperm(len(sizes), generator=g).tolist()]
                        or [torch.arange(0)])
-    if window <= 1:
-        return stream
-    window = min(window, total)
-    first = int(torch.randint(0, window, (1,), generator=g)) if total > window else window
-    cuts = [0, *range(first, total, window), total]
-    pieces = [stream[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
-    return torch.cat([p[torch.randperm(len(p), generator=g)] for p in pieces])
+    return window_shuffle(stream, window, g)
 
 
 class BlockReader:
@@ -207,8 +202,11 @@ class ShardDataset(Dataset):
     def __len__(self) -> int:
         return len(self._index)
 
-    def epoch_order(self, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
-        """Used by the step sampler in place of a full permutation (see the module docstring)."""
+    def epoch_order(self, seed: int, epoch: int, shuffle: bool = True, layout: RankLayout | None = None) -> torch.Tensor:
+        """Used by the step sampler in place of a full permutation (see the module docstring); with a ``layout``,
+        data.order=shard_local's order for that many ranks (:mod:`hpctrain.data.shard_local`)."""
+        if layout is not None:
+            return shard_local_order(self.sizes, seed, epoch, self.window, layout, shuffle)
         return shard_epoch_order(self.sizes, seed, epoch, self.window, shuffle)
 
     @property

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -15,7 +16,8 @@ from hpctrain.config.batch import plan_batches
 from hpctrain.config.schema import RunConfig
 from hpctrain.data.device_loader import DeviceLoader, dataset_tensors
 from hpctrain.data.loader import build_loader
-from hpctrain.data.sampler import EvalBatchSampler, StepBatchSampler
+from hpctrain.data.sampler import EvalBatchSampler, OrderFn, StepBatchSampler
+from hpctrain.data.shard_local import RankLayout, data_order_warning, shard_local_summary
 from hpctrain.dist.collectives import barrier, broadcast_object
 from hpctrain.dist.env import fault_injection_spec, stdout_is_terminal, under_hpctrain_agent
 from hpctrain.dist.runtime import Runtime
@@ -61,9 +63,7 @@ def build_context(
     if pretrained:
         _init_weights(experiment, model, cfg, runtime)
     seed_rank_streams(cfg.run.seed, runtime.rank)
-    # A sharded set brings its own epoch order (local windows, for sequential reads); same guarantees.
-    order = getattr(data.train, "epoch_order", None)
-    sampler = StepBatchSampler(len(data.train), plan, runtime.rank, cfg.run.seed, order=order)
+    sampler = StepBatchSampler(len(data.train), plan, runtime.rank, cfg.run.seed, order=train_order(cfg, runtime, data, plan))
     train_loader = _train_loader(cfg, runtime, data, sampler)
     val_loader = None
     if data.val is not None:
@@ -101,7 +101,7 @@ def build_context(
         sampler=sampler,
         train_loader=train_loader,
         val_loader=val_loader,
-        state=TrainState(global_batch_size=cfg.train.global_batch_size),
+        state=TrainState(global_batch_size=cfg.train.global_batch_size, data_order=cfg.data.order),
         total_steps=total_steps,
         checkpointer=Checkpointer(run_dir, cfg.experiment, runtime, config_text, cfg.ckpt.keep_last, cfg.ckpt.async_save,
                                   cfg.dist.strategy, cfg.dist.control_timeout_s),
@@ -111,6 +111,23 @@ def build_context(
             heartbeat=Heartbeat(runtime.rank, runtime.hostname, on_mark=build_injector(fault_injection_spec(), runtime.rank)),
         ),
     )
+
+
+def train_order(cfg: RunConfig, runtime: Runtime, data, plan) -> OrderFn | None:
+    """A sharded set brings its own epoch order: local windows for sequential reads with the exact order's
+    guarantees, or with data.order=shard_local each rank's own shards (hpctrain.data.shard_local)."""
+    order = getattr(data.train, "epoch_order", None)
+    if cfg.data.order == "exact":
+        return order
+    if order is None:
+        raise on_every_rank(UserError(
+            f"data.order=shard_local needs a sharded training set; experiment {cfg.experiment} reads its training "
+            "data another way", "write shards (hpctrain shard) and point the experiment at them, or set data.order=exact."))
+    # The order is a ShardDataset's bound method (experiments' wrappers pass it on): its shard sizes, for the summary.
+    sizes = getattr(getattr(order, "__self__", None), "sizes", None)
+    if runtime.is_main and sizes is not None:
+        log.log(*shard_local_summary(sizes, runtime.world_size, plan.per_rank))
+    return functools.partial(order, layout=RankLayout(runtime.world_size, plan.per_rank))
 
 
 def check_strategy(cfg: RunConfig, runtime: Runtime, precision) -> None:
@@ -234,25 +251,31 @@ def _restore_streams(ctx: TrainContext, resumed: Resumed) -> None:
         restore_rng(resumed.rng, ctx.runtime.device)
         return
     seed_rank_streams(ctx.cfg.run.seed, ctx.runtime.rank, int(resumed.info["step"]))
-    if ctx.runtime.is_main:
-        log.warning(
-            "resuming a run saved by %d processes on %d: data order and position are exact, but the per-rank random "
-            "streams (dropout, noise) are re-seeded from (seed, rank, step)", resumed.saved_world_size,
-            ctx.runtime.world_size,
-        )
+    if not ctx.runtime.is_main:
+        return
+    log.warning(
+        "resuming a run saved by %d processes on %d: %sthe per-rank random streams (dropout, noise) are re-seeded "
+        "from (seed, rank, step)", resumed.saved_world_size, ctx.runtime.world_size,
+        "data order and position are exact, but " if ctx.cfg.data.order == "exact" else "",
+    )
 
 
 def _continue_from(ctx: TrainContext, resumed: Resumed) -> TrainState:
     """The restored state, checked against this launch's global batch (the preflight already stopped a change
     unless ckpt.on_batch_change allows it; this catches a checkpoint the preflight did not pick)."""
+    saved = TrainState.from_dict(resumed.info)
     try:
-        state, warning = continue_with_batch(TrainState.from_dict(resumed.info), ctx.cfg.train.global_batch_size,
+        state, warning = continue_with_batch(saved, ctx.cfg.train.global_batch_size,
                                              ctx.cfg.ckpt.on_batch_change, str(resumed.path), ctx.total_steps)
     except UserError as err:
         raise on_every_rank(err) from None  # every rank read the same state.json
     if warning and ctx.runtime.is_main:
         log.warning("%s", warning)
-    return state
+    order_warning = data_order_warning(state.epoch, state.step_in_epoch, saved.data_order,
+                                       ctx.cfg.data.order, resumed.saved_world_size, ctx.runtime.world_size)
+    if order_warning and ctx.runtime.is_main:
+        log.warning("%s", order_warning)
+    return replace(state, data_order=ctx.cfg.data.order)
 
 
 def _start_watchdog(ctx: TrainContext, alerter: Alerter) -> Watchdog:

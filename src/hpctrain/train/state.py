@@ -24,6 +24,9 @@ class TrainState:
     global_batch_size: int = 0
     """Samples per optimizer step (train.global_batch_size) of the steps counted above: the unit of
     step_in_epoch. 0: unknown, a checkpoint written before hpctrain recorded it."""
+    data_order: str = ""
+    """data.order of the steps counted above (exact or shard_local): step_in_epoch points into that order. '':
+    unknown, a checkpoint written before hpctrain recorded it."""
 
     def advance(self, global_batch_size: int, steps_per_epoch: int) -> None:
         self.step += 1
@@ -39,7 +42,7 @@ class TrainState:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainState":
         known = {k: int(data[k]) for k in ("step", "epoch", "step_in_epoch", "samples_seen")}
-        return cls(**known, global_batch_size=int(data.get("global_batch_size", 0)))
+        return cls(**known, global_batch_size=int(data.get("global_batch_size", 0)), data_order=str(data.get("data_order", "")))
 
 
 def read_state(path: Path) -> TrainState | None:
