@@ -22,6 +22,7 @@ fixed world size and changes with it (see :func:`world_size_change_warning`).
 
 from __future__ import annotations
 
+import heapq
 from typing import NamedTuple, Sequence
 
 import torch
@@ -43,11 +44,11 @@ def deal_shards(sizes: Sequence[int], world_size: int, g: torch.Generator | None
     """The shards of each rank for one epoch: permuted (unless g is None), each to the least-loaded rank."""
     order = torch.randperm(len(sizes), generator=g).tolist() if g is not None else list(range(len(sizes)))
     owned: list[list[int]] = [[] for _ in range(world_size)]
-    load = [0] * world_size
+    loads = [(0, r) for r in range(world_size)]  # a heap of (samples held, rank): ties go to the lower rank
     for shard in order:
-        r = min(range(world_size), key=lambda i: (load[i], i))
+        load, r = heapq.heappop(loads)
         owned[r].append(shard)
-        load[r] += int(sizes[shard])
+        heapq.heappush(loads, (load + int(sizes[shard]), r))
     return owned
 
 
