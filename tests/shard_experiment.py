@@ -32,6 +32,9 @@ class ShardClassifier(Experiment):
     defaults = {"train.global_batch_size": 12, "train.micro_batch_size": 2, "train.max_steps": 6, "log.plots": False,
                 "log.every_steps": 1, "log.tensorboard": False}
 
+    def shard_dirs(self) -> list[str]:
+        return [f"{self.options.shards}/train", f"{self.options.shards}/test"]
+
     def build_datasets(self) -> Datasets:
         root = Path(self.options.shards)
         train = shard_dataset(root / "train", ["png", "cls"], self.cfg.data, num_classes=10)
