@@ -35,7 +35,10 @@ def run_hpctrain(args: list[str], timeout: float = 120, cwd: Path | None = None,
 
     torchrun and its workers run in a session of their own (see dist/launcher.py) and die
     with their parent (PR_SET_PDEATHSIG), so killing ours takes the whole tree down."""
-    full_env = {**os.environ, "PYTHONPATH": str(TESTS), "PYTHONUNBUFFERED": "1", **(env or {})}
+    # TESTS first (user experiments such as shard_experiment), then the caller's own path: a worktree on
+    # PYTHONPATH must reach the subprocess, or it tests the editable install's tree instead.
+    path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p)
+    full_env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.pop("RANK", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "hpctrain", *args],

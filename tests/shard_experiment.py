@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hpctrain.data.shardset import ShardDataset
+from hpctrain.data.shardset import ShardDataset, shard_dataset
 from hpctrain.experiments import Datasets, Experiment
 
 
@@ -32,12 +32,13 @@ class ShardClassifier(Experiment):
     defaults = {"train.global_batch_size": 12, "train.micro_batch_size": 2, "train.max_steps": 6, "log.plots": False,
                 "log.every_steps": 1, "log.tensorboard": False}
 
+    def shard_dirs(self) -> list[str]:
+        return [f"{self.options.shards}/train", f"{self.options.shards}/test"]
+
     def build_datasets(self) -> Datasets:
         root = Path(self.options.shards)
-        d = self.cfg.data
-        kw = dict(window=d.shuffle_window, block_bytes=d.read_block_kb * 1024, cache_bytes=d.read_cache_mb << 20)
-        train = ShardDataset(root / "train", ["png", "cls"], num_classes=10, **kw)
-        val = ShardDataset(root / "test", ["png", "cls"], num_classes=10, **kw)
+        train = shard_dataset(root / "train", ["png", "cls"], self.cfg.data, num_classes=10)
+        val = shard_dataset(root / "test", ["png", "cls"], self.cfg.data, num_classes=10)
         return Datasets(train=train, val=_Floats(val), train_transform=to_float)
 
     def build_model(self) -> nn.Module:

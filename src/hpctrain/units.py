@@ -17,3 +17,11 @@ def parse_size(text: str) -> int:
     number, unit = float(m.group(1)), m.group(2).upper()
     power = "KMGT".find(unit[:1]) + 1 if unit[:1] in ("K", "M", "G", "T") else 0
     return int(number * (1024 if "I" in unit else 1000) ** power)
+
+
+def format_size(n: float) -> str:
+    """Bytes for a log line or a message: '950 MB', '12.3 GB' (decimal units, as parse_size reads 'GB')."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}" if n / scale < 100 else f"{n / scale:.0f} {unit}"
+    return f"{int(n)} B"

@@ -38,13 +38,20 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 def test_world_size_workers_and_resume_do_not_change_the_run(tmp_path: Path, shards: Path):
+    """The elastic run also reads a node-local staged copy (data.stage_dir): its 2 ranks stage it together, the
+    resumed 3 ranks reuse it, as a requeued job on the same node does; the losses are the unstaged run's."""
     one = train(tmp_path / "one", shards, 1, 0)
     assert one.returncode == 0, one.output
-    first = train(tmp_path / "elastic", shards, 2, 2, "train.stop_at_step=3")
+    (tmp_path / "node").mkdir()
+    staged = f"data.stage_dir={tmp_path / 'node'}"
+    first = train(tmp_path / "elastic", shards, 2, 2, "train.stop_at_step=3", staged)
     assert first.returncode == 0, first.output
-    resumed = train(tmp_path / "elastic", shards, 3, 1)  # 3 ranks x 1 worker, from 2 ranks x 2 workers
+    copies = {p: p.stat().st_mtime_ns for p in (tmp_path / "node").rglob("*.tar")}
+    assert len(copies) == len(list(shards.rglob("*.tar"))), "train and test staged"
+    resumed = train(tmp_path / "elastic", shards, 3, 1, staged)  # 3 ranks x 1 worker, from 2 ranks x 2 workers
     assert resumed.returncode == 0, resumed.output
     assert "saved by 2 process(es)" in resumed.stderr
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "node").rglob("*.tar")} == copies, "reused, not copied"
     reference, elastic = losses(tmp_path / "one"), losses(tmp_path / "elastic")
     assert sorted(elastic) == sorted(reference) == list(range(1, 7))
     for step, loss in reference.items():

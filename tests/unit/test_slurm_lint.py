@@ -85,6 +85,70 @@ def test_environment_checks():
     assert ("error", "dist.backend") in findings("dist.backend=nccl", "slurm.gpus=false")[0]
 
 
+def data_facts(fs: str, size: float, **kw) -> Facts:
+    """Facts of shards at /lustre/p/set (train and test) of ``size`` bytes on an ``fs`` filesystem."""
+    return Facts(run_dir_fs="nfs", existing=frozenset({"/usr/bin/python3"}), data_fs=fs, data_bytes=int(size),
+                 data_dirs=("/lustre/p/set/train", "/lustre/p/set/test"), **kw)
+
+
+def staging_findings(*overrides: str, facts: Facts) -> list:
+    return [f for f in findings(*overrides, facts=facts)[1] if f.key == "data.stage_dir"]
+
+
+def test_large_shards_on_a_network_filesystem_are_worth_staging():
+    [found] = staging_findings(facts=data_facts("lustre", 200e9))
+    assert found.level == "warning"
+    assert found.message == ("the shards in /lustre/p/set (200 GB) are on a lustre filesystem and larger than a "
+                             "node's page cache keeps (about 32 GB): every node reads all of them from it in every "
+                             "epoch")
+    assert found.hint == ("copy them once per node and job to a node-local disk: data.stage_dir=$TMPDIR (or a local "
+                          "NVMe path); the cost is 200 GB read per node when each job starts")
+    assert not staging_findings(facts=data_facts("lustre", 20e9)), "the page cache keeps it after the first epoch"
+    assert not staging_findings(facts=data_facts("ext4", 200e9)), "already node-local"
+    big_nodes = (NodeFacts(cpus=64, gpus=4, memory_mb=1_000_000, count=8),)
+    assert not staging_findings(facts=data_facts("gpfs", 200e9, nodes=big_nodes)), "sinfo: 1 TB nodes keep it"
+    staged = data_facts("lustre", 200e9, stage_free=10**12, stage_fs="xfs")
+    assert not staging_findings("data.stage_dir=/local/nvme", facts=staged)
+
+
+def test_a_stage_dir_that_cannot_hold_the_shards():
+    [small] = staging_findings("data.stage_dir=/local/nvme", facts=data_facts("lustre", 200e9, stage_free=50 * 10**9))
+    assert (small.level, small.message) == ("warning", "/local/nvme has 50 GB free here, the shards in /lustre/p/set "
+                                            "need 200 GB: staging would stop with an error")
+    assert small.hint == ("point data.stage_dir at a larger node-local disk, free space there, or leave it empty to "
+                          "read the shards where they are")
+    [unknown] = staging_findings("data.stage_dir=$SLURM_TMPDIR", facts=data_facts("lustre", 200e9))
+    assert unknown.format() == ("INFO    data.stage_dir: $SLURM_TMPDIR is set per node and job: its free space "
+                                "cannot be checked here\n        -> make sure it holds 200 GB on every node (one "
+                                "copy of the shards per node)")
+    [shared] = staging_findings("data.stage_dir=/scratch/me", facts=data_facts("lustre", 9e9, stage_free=10**15,
+                                                                             stage_fs="lustre"))
+    assert "/scratch/me is on a lustre filesystem: staging would copy the shards from one shared" in shared.message
+    assert not staging_findings("data.stage_dir=$TMPDIR", facts=data_facts("lustre", 0)), "no manifest found: silent"
+
+
+def test_the_facts_of_the_data_are_gathered_from_the_manifests(tmp_path):
+    from hpctrain.data.shards import write_split
+    from hpctrain.slurm.lint import gather_facts, filesystem_type
+    from tests.unit.test_shards import _samples
+
+    for split, n in (("train", 30), ("test", 10)):
+        write_split(tmp_path / "set" / split, split, _samples(n), max_bytes=6_000)
+    cls = resolve_experiment("tests.shard_experiment:ShardClassifier")
+
+    def facts(stage_dir: str) -> Facts:
+        c = load_config("tests.shard_experiment:ShardClassifier", cls.config_class, experiment_defaults=cls.defaults,
+                        overrides=[f"run.dir={tmp_path / 'run'}", f"model.shards={tmp_path / 'set'}",
+                                   f"data.stage_dir={stage_dir}"])
+        return gather_facts(c, job.job_spec(c))
+
+    here = facts(str(tmp_path))
+    assert here.data_dirs == (str(tmp_path / "set" / "train"), str(tmp_path / "set" / "test"))
+    assert here.data_bytes == sum(p.stat().st_size for p in (tmp_path / "set").rglob("*.tar"))
+    assert here.data_fs == here.stage_fs == filesystem_type(tmp_path) and here.stage_free > 0
+    assert facts("$SLURM_TMPDIR").stage_free == facts(str(tmp_path / "only-on-nodes")).stage_free == -1
+
+
 def test_partition_capacity_from_sinfo():
     facts = Facts(run_dir_fs="nfs", existing=frozenset({"/usr/bin/python3"}),
                   nodes=(NodeFacts(cpus=64, gpus=4, memory_mb=500_000, count=2),))
@@ -270,6 +334,19 @@ def test_slurm_commands_without_slurm_say_so(tmp_path, monkeypatch, capsys):
 def test_check_exit_code(capsys):
     assert main(["slurm", "check", "digits", "run.dir=/tmp/x", "slurm.nodes=3", "slurm.gpus_per_node=2"]) == 1
     assert "1 error(s)" in capsys.readouterr().err
+
+
+def test_notes_are_counted_apart_from_warnings(tmp_path, capsys):
+    from hpctrain.data.shards import write_split
+    from tests.unit.test_shards import _samples
+
+    for split in ("train", "test"):
+        write_split(tmp_path / "set" / split, split, _samples(4), max_bytes=6_000)
+    assert main(["slurm", "check", "tests.shard_experiment:ShardClassifier", f"run.dir={tmp_path / 'run'}",
+                 f"model.shards={tmp_path / 'set'}", "data.stage_dir=$SLURM_TMPDIR", "ckpt.every_minutes=30"]) == 0
+    err = capsys.readouterr().err
+    assert "INFO    data.stage_dir: $SLURM_TMPDIR is set per node and job" in err
+    assert "hpctrain slurm check: 0 error(s), " in err and "warning(s), 1 note(s)" in err
 
 
 def test_a_bare_interpreter_name_on_path_is_found():

@@ -114,6 +114,11 @@ class DataSection:
     JPEGs) cuts the exact order's shared-file-system reads about 4x (docs/data.md, "Data at cluster scale")."""
     read_cache_mb: int = 128
     """Sharded sets: block cache per loader process; make it hold a shuffle window's bytes."""
+    stage_dir: str = ""
+    """Sharded sets: copy each split once per node into this node-local folder (e.g. $TMPDIR, $SLURM_TMPDIR or an
+    NVMe mount; $VARIABLES and ~ are expanded on each node when the data is opened) and read it there. The copy
+    is verified against the manifest, resumed after an interruption, and reused by later jobs on the node while
+    the folder lasts (Slurm's per-job $TMPDIR usually ends with the job). Empty: read the shards where they are."""
     on_device: bool = False
     """Hold the whole training set in device memory (the experiment's TensorDataset, e.g. CIFAR-10's 150 MB of
     uint8) and cut each micro-batch there: no loader processes, no host-to-device copy per step. Augmentation runs

@@ -36,7 +36,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
@@ -46,7 +46,11 @@ from hpctrain.data.seeding import SALT_ORDER, generator
 from hpctrain.data.shard_local import RankLayout, shard_local_order, window_shuffle
 from hpctrain.data.shard_index import ShardIndex, load_shard_index, node_local_folder
 from hpctrain.data.shards import INDEX, MANIFEST, WRITING
+from hpctrain.data.staging import stage_split
 from hpctrain.errors import UserError
+
+if TYPE_CHECKING:
+    from hpctrain.config.schema import DataSection
 
 _CPP_LOCATION = re.compile(r"^\w+, \S+\.(?:cpp|cu|h):\d+, ")  # torchvision's "decode_image, /path/x.cpp:67, "
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "ppm", "pgm", "bmp")
@@ -167,7 +171,9 @@ class ShardDataset(Dataset):
 
     ``fields`` follow webdataset's ``to_tuple``: extensions, with alternatives joined by
     ';' ("jpg;png"). ``decode=False`` returns raw bytes (as uint8 tensors) for image
-    fields, for decoding on the GPU (:mod:`hpctrain.data.gpu_decode`)."""
+    fields, for decoding on the GPU (:mod:`hpctrain.data.gpu_decode`). With ``stage_dir``
+    the split is copied to that node-local folder first (:mod:`hpctrain.data.staging`)
+    and read from there."""
 
     def __init__(
         self,
@@ -179,8 +185,13 @@ class ShardDataset(Dataset):
         block_bytes: int = 1 << 20,
         cache_bytes: int = 128 << 20,
         decode: bool = True,
+        stage_dir: str = "",
     ) -> None:
-        self.split_dir = Path(split_dir)
+        self.source_dir = Path(split_dir)
+        self.split_dir = self.source_dir
+        if stage_dir:
+            index_path(self.source_dir)  # a missing or incomplete set is reported by its own path
+            self.split_dir = stage_split(self.source_dir, stage_dir)
         self.fields = [f.split(";") for f in fields]
         self.num_classes = num_classes
         self.window = window
@@ -196,7 +207,8 @@ class ShardDataset(Dataset):
             raise UserError(f"{self.split_dir / INDEX} lists no shards", "create shards with hpctrain shard.")
         if len(self._index) == 0:
             raise UserError(f"the shards in {self.split_dir} hold no samples", "re-create them with hpctrain shard.")
-        check_sizes_once_per_node(self.split_dir)
+        if not stage_dir:  # staging checked every size
+            check_sizes_once_per_node(self.split_dir)
         self._reader: BlockReader | None = None
 
     def __len__(self) -> int:
@@ -229,7 +241,7 @@ class ShardDataset(Dataset):
         return _Located(shard, index.key(i), members)
 
     def where(self, loc: _Located) -> str:
-        return f"sample '{loc.key}' of shard {self.split_dir / self.shard_names[loc.shard]}"
+        return f"sample '{loc.key}' of shard {self.source_dir / self.shard_names[loc.shard]}"
 
     def __getitem__(self, i: int) -> tuple[Any, ...]:
         loc = self.locate(i)
@@ -253,6 +265,12 @@ class ShardDataset(Dataset):
             raise DataError(f"{self.where(loc)}: label {value} outside the {self.num_classes} classes 0..{self.num_classes - 1}",
                             "the shards belong to another data set, or their labels are wrong.")
         return value
+
+
+def shard_dataset(split_dir: str | Path, fields: Sequence[str], data: DataSection, **kwargs: Any) -> ShardDataset:
+    """A ShardDataset read as the run's data section says: shuffle window, read blocks and cache, staging."""
+    return ShardDataset(split_dir, fields, window=data.shuffle_window, block_bytes=data.read_block_kb << 10,
+                        cache_bytes=data.read_cache_mb << 20, stage_dir=data.stage_dir, **kwargs)
 
 
 def check_sizes_once_per_node(split_dir: Path) -> None:

@@ -132,6 +132,11 @@ class Experiment(ABC):
     def build_datasets(self) -> Datasets:
         """Training and validation sets."""
 
+    def shard_dirs(self) -> list[str]:
+        """The shard split folders build_datasets reads, for `hpctrain slurm check` (a network filesystem, their
+        size, room in data.stage_dir). Default: none, and the check says nothing about the data."""
+        return []
+
     @abstractmethod
     def train_loss(self, model: nn.Module, batch: Any, info: BatchInfo) -> torch.Tensor:
         """Mean loss of one micro-batch (already on the device). ``info`` may be left out of the signature

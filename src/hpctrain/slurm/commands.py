@@ -34,8 +34,10 @@ def check_findings(cfg: RunConfig, spec: render.JobSpec) -> list[lint.Finding]:
 def check_command(experiment: str, config_file: str | None, overrides: tuple[str, ...]) -> int:
     cfg = _resolve(experiment, config_file, overrides)
     findings = check_findings(cfg, job.job_spec(cfg))
-    errors = sum(f.level == "error" for f in findings)
-    print(f"hpctrain slurm check: {errors} error(s), {len(findings) - errors} warning(s)", file=sys.stderr)
+    errors, warnings = (sum(f.level == level for f in findings) for level in ("error", "warning"))
+    notes = len(findings) - errors - warnings
+    print(f"hpctrain slurm check: {errors} error(s), {warnings} warning(s)" + (f", {notes} note(s)" if notes else ""),
+          file=sys.stderr)
     return 1 if errors else 0
 
 

@@ -7,6 +7,8 @@ says what to do.
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import subprocess
 from dataclasses import dataclass, field
@@ -15,19 +17,29 @@ from typing import Literal
 
 from hpctrain.config.batch import plan_batches
 from hpctrain.config.schema import RunConfig, SlurmSection
+from hpctrain.data.shards import MANIFEST
+from hpctrain.data.staging import free_bytes
 from hpctrain.dist.env import module_system_present
 from hpctrain.errors import UserError
 from hpctrain.slurm.render import JobSpec, cpus_per_task
 from hpctrain.slurm.timelimit import format_duration, time_limit_seconds
+from hpctrain.units import format_size
 
 # Filesystems that live on one node: a multi-node job's other nodes cannot see a run dir there.
 NODE_LOCAL_FS = frozenset({"tmpfs", "ramfs", "ext2", "ext3", "ext4", "xfs", "btrfs", "overlay", "f2fs", "zfs"})
 NODE_LOCAL_DIRS = ("/tmp", "/dev/shm", "/var/tmp", "/scratch/local", "/local")
+# Filesystems every node reads over the network: exact order reads the whole data set per node and epoch from them.
+NETWORK_FS = frozenset({"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "ceph", "glusterfs", "fuse.glusterfs",
+                        "panfs", "wekafs", "cifs", "smb3", "pvfs2", "orangefs", "afs", "fuse.sshfs"})
+# Shards a node's page cache keeps are read from the shared filesystem once (the first epoch), staged or not:
+# staging pays off above that. Without sinfo: half of a 64 GB node.
+PAGE_CACHE_SHARE = 0.5
+DEFAULT_PAGE_CACHE = 32 * 10**9
 
 
 @dataclass(frozen=True)
 class Finding:
-    level: Literal["error", "warning"]
+    level: Literal["error", "warning", "info"]
     key: str
     message: str
     hint: str
@@ -58,13 +70,24 @@ class Facts:
     """Environment modules (Lmod or Tcl) are set up here."""
     nodes: tuple[NodeFacts, ...] = field(default_factory=tuple)
     """Node types of the partition; empty when sinfo is not available."""
+    data_dirs: tuple[str, ...] = ()
+    """The shard folders the training reads (the experiment's shard_dirs), absolute."""
+    data_fs: str = ""
+    """Filesystem type of the first of them; '' if unknown."""
+    data_bytes: int = 0
+    """Bytes of their shards, from their manifests; 0 if unknown (no manifest here)."""
+    stage_free: int = -1
+    """Free bytes in data.stage_dir as seen here; -1 where that cannot be known here (a $VARIABLE set per node or
+    job, a folder that exists only on the compute nodes)."""
+    stage_fs: str = ""
+    """Filesystem type of data.stage_dir where it exists here; '' otherwise."""
 
 
 def lint(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
     findings: list[Finding] = []
-    for check in (_batch, _cpus, _srun_share, _time, _run_dir, _environment, _partition):
+    for check in (_batch, _cpus, _srun_share, _time, _run_dir, _environment, _partition, _staging):
         findings += check(cfg, spec, facts)
-    return sorted(findings, key=lambda f: f.level != "error")
+    return sorted(findings, key=lambda f: ("error", "warning", "info").index(f.level))
 
 
 def _batch(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
@@ -217,6 +240,47 @@ def _environment(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
     return out
 
 
+def _staging(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
+    """Shards on a network filesystem, too large for the page cache, and not staged; a stage dir that cannot
+    hold them."""
+    stage, size = cfg.data.stage_dir, facts.data_bytes
+    if not size:
+        return []
+    where = os.path.commonpath(facts.data_dirs) if facts.data_dirs else "the data"
+    if not stage:
+        cache = page_cache_bytes(cfg.slurm, facts)
+        if facts.data_fs not in NETWORK_FS or size <= cache:
+            return []
+        return [Finding("warning", "data.stage_dir",
+                        f"the shards in {where} ({format_size(size)}) are on a {facts.data_fs} filesystem and larger "
+                        f"than a node's page cache keeps (about {format_size(cache)}): every node reads all of them "
+                        "from it in every epoch",
+                        f"copy them once per node and job to a node-local disk: data.stage_dir=$TMPDIR (or a local "
+                        f"NVMe path); the cost is {format_size(size)} read per node when each job starts")]
+    if facts.stage_fs in NETWORK_FS:
+        return [Finding("warning", "data.stage_dir",
+                        f"{stage} is on a {facts.stage_fs} filesystem: staging would copy the shards from one shared "
+                        "filesystem to another", "point data.stage_dir at a node-local disk ($TMPDIR, a local NVMe)")]
+    if facts.stage_free < 0:
+        why = "is set per node and job" if "$" in stage else "does not exist here (only on the compute nodes?)"
+        return [Finding("info", "data.stage_dir", f"{stage} {why}: its free space cannot be checked here",
+                        f"make sure it holds {format_size(size)} on every node (one copy of the shards per node)")]
+    if facts.stage_free < size:
+        return [Finding("warning", "data.stage_dir",
+                        f"{stage} has {format_size(facts.stage_free)} free here, the shards in {where} need "
+                        f"{format_size(size)}: staging would stop with an error",
+                        "point data.stage_dir at a larger node-local disk, free space there, or leave it empty to "
+                        "read the shards where they are")]
+    return []
+
+
+def page_cache_bytes(s: SlurmSection, facts: Facts) -> int:
+    """What a node's page cache can be expected to keep: a share of the memory of the partition's smallest usable
+    node (sinfo), or DEFAULT_PAGE_CACHE where that is unknown."""
+    usable = _usable_nodes(s, facts)
+    return int(PAGE_CACHE_SHARE * min(n.memory_mb for n in usable) * 2**20) if usable else DEFAULT_PAGE_CACHE
+
+
 def _partition(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
     s = cfg.slurm
     if not facts.nodes:
@@ -334,4 +398,25 @@ def gather_facts(cfg: RunConfig, spec: JobSpec) -> Facts:
         commands=frozenset(c for c in (s.container_runtime,) if shutil.which(c)),
         module_system=module_system_present(),
         nodes=partition_nodes(s.partition),
+        **_data_facts(cfg, Path(spec.workdir)),
     )
+
+
+def _data_facts(cfg: RunConfig, workdir: Path) -> dict:
+    """The shard folders (relative ones from the job's working directory), their size and filesystem, and the
+    stage dir's room where it can be seen from here."""
+    from hpctrain.experiments import resolve_experiment
+
+    dirs = [workdir / d for d in resolve_experiment(cfg.experiment)(cfg).shard_dirs()]
+    stage = Path(os.path.expanduser(cfg.data.stage_dir)) if cfg.data.stage_dir else None
+    visible = stage is not None and "$" not in str(stage) and stage.is_dir()
+    return {"data_dirs": tuple(str(d) for d in dirs), "data_fs": filesystem_type(dirs[0]) if dirs else "",
+            "data_bytes": sum(_manifest_bytes(d) for d in dirs),
+            "stage_free": free_bytes(stage) if visible else -1, "stage_fs": filesystem_type(stage) if visible else ""}
+
+
+def _manifest_bytes(split_dir: Path) -> int:
+    try:
+        return sum(int(s["bytes"]) for s in json.loads((split_dir / MANIFEST).read_text())["shards"])
+    except (OSError, ValueError, KeyError, TypeError):  # not here, or not a finished set: nothing to say
+        return 0

@@ -59,6 +59,9 @@ def build_context(
     # anyway, but a one-process run must start from the same weights as an N-process one).
     seed_everything(cfg.run.seed)
     data = experiment.build_datasets()
+    # Nodes finish staging their data (data.stage_dir) at different times: wait for the slowest on the control
+    # plane (dist.control_timeout_s), not in DDP's first broadcast, which would time out after dist.timeout_s.
+    barrier(runtime)
     model = experiment.build_model()
     if pretrained:
         _init_weights(experiment, model, cfg, runtime)

@@ -42,14 +42,13 @@ def _cifar10(root: Path, split: str) -> TensorDataset:
 def _shards(root: Path, split: str, data: DataSection) -> Dataset:
     """Shards written by `hpctrain shard --format cifar10`: PNG images and class labels. Read per sample by the
     loader (the shard path's exact order); with data.on_device the split is decoded once into memory instead."""
-    from hpctrain.data.shardset import ShardDataset
+    from hpctrain.data.shardset import shard_dataset
 
     split_dir = root / split
     if not split_dir.exists():
         raise UserError(f"no shards at {split_dir}",
                         f"write them with: hpctrain shard CIFAR10_DIR {root} --format cifar10 (or set model.data_root).")
-    shards = ShardDataset(split_dir, ["png", "cls"], num_classes=10, window=data.shuffle_window,
-                          block_bytes=data.read_block_kb << 10, cache_bytes=data.read_cache_mb << 20)
+    shards = shard_dataset(split_dir, ["png", "cls"], data, num_classes=10)
     if not data.on_device:
         return shards
     decoded = [shards[i] for i in range(len(shards))]  # each sample read and decoded once

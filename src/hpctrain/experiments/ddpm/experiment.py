@@ -95,6 +95,10 @@ class DDPMExperiment(Experiment):
         return UNet(ch=o.ch, ch_mult=o.ch_mult, num_res_blocks=o.num_res_blocks, attn_resolutions=o.attn_resolutions,
                     dropout=o.dropout, image_size=o.image_size, in_channels=o.channels, norm_groups=o.norm_groups)
 
+    def shard_dirs(self) -> list[str]:
+        o = self.options
+        return [f"{o.data_root}/train", f"{o.data_root}/test"] if o.source == "shards" else []
+
     def build_datasets(self) -> Datasets:
         from hpctrain.experiments.ddpm.data import load_images
 

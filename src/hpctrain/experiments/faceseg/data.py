@@ -132,15 +132,14 @@ def build(o: Any, data_cfg: Any) -> Datasets:
 
 def _shards(root: Path, o: Any, data_cfg: Any) -> Datasets:
     from hpctrain.data.gpu_decode import collate_encoded
-    from hpctrain.data.shardset import ShardDataset
+    from hpctrain.data.shardset import ShardDataset, shard_dataset
 
     def split(name: str) -> ShardDataset:
         if not (root / name).is_dir():
             raise UserError(f"no {name} shards at {root / name}",
                             f"write them with: hpctrain shard CELEBAMASK_DIR {root} --format celebamask --resize "
                             f"{o.image_size} (or set model.data_root).")
-        return ShardDataset(root / name, ["jpg", "png"], window=data_cfg.shuffle_window, decode=not o.gpu_decode,
-                            block_bytes=data_cfg.read_block_kb << 10, cache_bytes=data_cfg.read_cache_mb << 20)
+        return shard_dataset(root / name, ["jpg", "png"], data_cfg, decode=not o.gpu_decode)
 
     train, val = split("train"), split("val")
     if o.gpu_decode:

@@ -110,6 +110,10 @@ class FaceSegExperiment(Experiment):
 
         return load_init(model, self.options.init)
 
+    def shard_dirs(self) -> list[str]:
+        o = self.options
+        return [f"{o.data_root}/train", f"{o.data_root}/val"] if o.source == "shards" else []
+
     def build_datasets(self) -> Datasets:
         from hpctrain.experiments.faceseg.data import build
 
