@@ -99,14 +99,16 @@ def test_large_shards_on_a_network_filesystem_are_worth_staging():
     [found] = staging_findings(facts=data_facts("lustre", 200e9))
     assert found.level == "warning"
     assert found.message == ("the shards in /lustre/p/set (200 GB) are on a lustre filesystem and larger than a "
-                             "node's page cache keeps (about 32 GB): every node reads all of them from it in every "
-                             "epoch")
+                             "node's page cache keeps (about 32 GB): in the exact order every node reads up to all "
+                             "of them from it in every epoch")
     assert found.hint == ("copy them once per node and job to a node-local disk: data.stage_dir=$TMPDIR (or a local "
                           "NVMe path); the cost is 200 GB read per node when each job starts")
     assert not staging_findings(facts=data_facts("lustre", 20e9)), "the page cache keeps it after the first epoch"
     assert not staging_findings(facts=data_facts("ext4", 200e9)), "already node-local"
     big_nodes = (NodeFacts(cpus=64, gpus=4, memory_mb=1_000_000, count=8),)
     assert not staging_findings(facts=data_facts("gpfs", 200e9, nodes=big_nodes)), "sinfo: 1 TB nodes keep it"
+    assert not staging_findings("data.order=shard_local", facts=data_facts("lustre", 200e9)), \
+        "shard_local reads the set about once per epoch across nodes: less than a staged copy on every node"
     staged = data_facts("lustre", 200e9, stage_free=10**12, stage_fs="xfs")
     assert not staging_findings("data.stage_dir=/local/nvme", facts=staged)
 
@@ -146,7 +148,22 @@ def test_the_facts_of_the_data_are_gathered_from_the_manifests(tmp_path):
     assert here.data_dirs == (str(tmp_path / "set" / "train"), str(tmp_path / "set" / "test"))
     assert here.data_bytes == sum(p.stat().st_size for p in (tmp_path / "set").rglob("*.tar"))
     assert here.data_fs == here.stage_fs == filesystem_type(tmp_path) and here.stage_free > 0
+    train = list((tmp_path / "set" / "train").glob("*.tar"))
+    assert (here.train_shards, here.train_bytes) == (len(train), sum(p.stat().st_size for p in train))
     assert facts("$SLURM_TMPDIR").stage_free == facts(str(tmp_path / "only-on-nodes")).stage_free == -1
+
+
+def test_shard_local_with_too_few_shards_per_rank():
+    few = data_facts("lustre", 200e9, train_shards=20, train_bytes=160 * 10**9)
+    [found] = [f for f in findings("data.order=shard_local", "slurm.nodes=4", "slurm.gpus_per_node=4", facts=few)[1]
+               if f.key == "data.order"]
+    assert found.level == "warning"
+    assert found.message.startswith("data.order=shard_local with 20 training shards for 16 ranks: ranks get unequal")
+    assert found.hint == "write at least 32 shards (hpctrain shard --shard-size about 5 GB), or use data.order=exact"
+    enough = data_facts("lustre", 200e9, train_shards=32, train_bytes=160 * 10**9)
+    assert not [f for f in findings("data.order=shard_local", "slurm.nodes=4", "slurm.gpus_per_node=4",
+                                    facts=enough)[1] if f.key == "data.order"]
+    assert not [f for f in findings("slurm.nodes=4", "slurm.gpus_per_node=4", facts=few)[1] if f.key == "data.order"]
 
 
 def test_partition_capacity_from_sinfo():

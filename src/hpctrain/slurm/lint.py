@@ -81,11 +81,16 @@ class Facts:
     job, a folder that exists only on the compute nodes)."""
     stage_fs: str = ""
     """Filesystem type of data.stage_dir where it exists here; '' otherwise."""
+    train_shards: int = 0
+    """Shards of the training split (the first shard folder), from its manifest; 0 if unknown."""
+    train_bytes: int = 0
+    """Their bytes."""
 
 
 def lint(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
     findings: list[Finding] = []
-    for check in (_batch, _cpus, _srun_share, _time, _run_dir, _environment, _partition, _staging):
+    for check in (_batch, _cpus, _srun_share, _time, _run_dir, _environment, _partition, _staging,
+                  _shard_local):
         findings += check(cfg, spec, facts)
     return sorted(findings, key=lambda f: ("error", "warning", "info").index(f.level))
 
@@ -249,12 +254,14 @@ def _staging(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
     where = os.path.commonpath(facts.data_dirs) if facts.data_dirs else "the data"
     if not stage:
         cache = page_cache_bytes(cfg.slurm, facts)
-        if facts.data_fs not in NETWORK_FS or size <= cache:
+        # shard_local reads about the set once per epoch across all nodes: less than a staged copy on every node,
+        # for fewer epochs than nodes.
+        if facts.data_fs not in NETWORK_FS or size <= cache or cfg.data.order == "shard_local":
             return []
         return [Finding("warning", "data.stage_dir",
                         f"the shards in {where} ({format_size(size)}) are on a {facts.data_fs} filesystem and larger "
-                        f"than a node's page cache keeps (about {format_size(cache)}): every node reads all of them "
-                        "from it in every epoch",
+                        f"than a node's page cache keeps (about {format_size(cache)}): in the exact order every node "
+                        "reads up to all of them from it in every epoch",
                         f"copy them once per node and job to a node-local disk: data.stage_dir=$TMPDIR (or a local "
                         f"NVMe path); the cost is {format_size(size)} read per node when each job starts")]
     if facts.stage_fs in NETWORK_FS:
@@ -272,6 +279,18 @@ def _staging(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
                         "point data.stage_dir at a larger node-local disk, free space there, or leave it empty to "
                         "read the shards where they are")]
     return []
+
+
+def _shard_local(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
+    """data.order=shard_local deals shards to ranks: with fewer than two a rank, many samples come from others'."""
+    world = cfg.slurm.nodes * cfg.slurm.gpus_per_node
+    if cfg.data.order != "shard_local" or not facts.train_shards or facts.train_shards >= 2 * world:
+        return []
+    return [Finding("warning", "data.order",
+                    f"data.order=shard_local with {facts.train_shards} training shards for {world} ranks: ranks get "
+                    "unequal shares and read many samples from other ranks' shards, which undoes the local reads",
+                    f"write at least {2 * world} shards (hpctrain shard --shard-size about "
+                    f"{format_size(facts.train_bytes / (2 * world))}), or use data.order=exact")]
 
 
 def page_cache_bytes(s: SlurmSection, facts: Facts) -> int:
@@ -408,15 +427,18 @@ def _data_facts(cfg: RunConfig, workdir: Path) -> dict:
     from hpctrain.experiments import resolve_experiment
 
     dirs = [workdir / d for d in resolve_experiment(cfg.experiment)(cfg).shard_dirs()]
+    train = _manifest_shards(dirs[0]) if dirs else []
     stage = Path(os.path.expanduser(cfg.data.stage_dir)) if cfg.data.stage_dir else None
     visible = stage is not None and "$" not in str(stage) and stage.is_dir()
     return {"data_dirs": tuple(str(d) for d in dirs), "data_fs": filesystem_type(dirs[0]) if dirs else "",
-            "data_bytes": sum(_manifest_bytes(d) for d in dirs),
+            "data_bytes": sum(sum(int(s["bytes"]) for s in _manifest_shards(d)) for d in dirs),
+            "train_shards": len(train), "train_bytes": sum(int(s["bytes"]) for s in train),
             "stage_free": free_bytes(stage) if visible else -1, "stage_fs": filesystem_type(stage) if visible else ""}
 
 
-def _manifest_bytes(split_dir: Path) -> int:
+def _manifest_shards(split_dir: Path) -> list[dict]:
     try:
-        return sum(int(s["bytes"]) for s in json.loads((split_dir / MANIFEST).read_text())["shards"])
+        shards = json.loads((split_dir / MANIFEST).read_text())["shards"]
+        return [s for s in shards if int(s["bytes"]) >= 0]
     except (OSError, ValueError, KeyError, TypeError):  # not here, or not a finished set: nothing to say
-        return 0
+        return []
