@@ -131,7 +131,8 @@ def test_a_stage_dir_that_cannot_hold_the_shards():
 
 def test_the_facts_of_the_data_are_gathered_from_the_manifests(tmp_path):
     from hpctrain.data.shards import write_split
-    from hpctrain.slurm.lint import gather_facts, filesystem_type
+    from hpctrain.filesystems import filesystem_type
+    from hpctrain.slurm.lint import gather_facts
     from tests.unit.test_shards import _samples
 
     for split, n in (("train", 30), ("test", 10)):

@@ -97,6 +97,7 @@ def test_an_interrupted_copy_is_resumed_and_verified(split: Path, node: Path, co
     kept = set(_shards(target))  # the two before the failure, and maybe one more the thread took meanwhile
     assert {"train-000000.tar", "train-000001.tar"} <= kept and "train-000002.tar" not in kept and len(kept) <= 3
     (target / ".train-000005.tar.part").write_bytes(b"half a shard")  # a copier killed mid-shard
+    (target / ".train-000000.tar.part").write_bytes(b"a stale part")  # beside a shard finished before the failure
     monkeypatch.setattr(staging, "_verify", real)
     copies.clear()
     assert stage_split(split, str(node)) == target
@@ -195,11 +196,33 @@ def test_a_stage_dir_that_is_missing_or_unset_is_named(split: Path, tmp_path: Pa
     with pytest.raises(UserError, match=r"data.stage_dir .*/nowhere does not exist on"):
         ShardDataset(split, ["png"], stage_dir=str(tmp_path / "nowhere"))
     monkeypatch.delenv("SLURM_TMPDIR", raising=False)
-    with pytest.raises(UserError, match="the environment variable SLURM_TMPDIR is not set"):
+    with pytest.raises(UserError, match="the environment variable SLURM_TMPDIR is not set") as err:
         ShardDataset(split, ["png"], stage_dir="$SLURM_TMPDIR")
+    assert "${SLURM_TMPDIR:-/local/scratch}" in err.value.hint
+    assert stage_split(split, "${SLURM_TMPDIR:-" + str(tmp_path) + "}").is_relative_to(tmp_path / STAGE_FOLDER)
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(UserError, match=r"data.stage_dir .*/a-file is not a folder on"):
+        ShardDataset(split, ["png"], stage_dir=str(tmp_path / "a-file"))
     # a missing source: its own message, before any staging
     with pytest.raises(UserError, match="shard directory .*nothing does not exist"):
         ShardDataset(tmp_path / "nothing", ["png"], stage_dir=str(tmp_path))
+
+
+def test_a_stage_dir_on_a_network_filesystem_or_without_locks_is_refused(split: Path, node: Path, monkeypatch):
+    """Where flock is per node or missing (BeeGFS, Lustre's localflock, NFS), the nodes' copiers would write the same
+    files at once: a shared stage dir is refused, and a lock that fails is an error that says what to do."""
+    monkeypatch.setattr(staging, "filesystem_type", lambda path: "lustre")
+    with pytest.raises(UserError, match=r"data.stage_dir .* is on a lustre filesystem shared over the network") as err:
+        stage_split(split, str(node))
+    assert "node-local disk" in err.value.hint and not (node / STAGE_FOLDER).exists()
+    monkeypatch.setattr(staging, "filesystem_type", lambda path: "ext4")
+
+    def no_locks(fd, op):
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(staging.fcntl, "flock", no_locks)
+    with pytest.raises(UserError, match="cannot lock .* to stage .*: Function not implemented"):
+        stage_split(split, str(node))
 
 
 def test_a_stage_dir_that_cannot_be_written_is_named(split: Path, node: Path):

@@ -37,6 +37,7 @@ from hpctrain.atomic import atomic_write_bytes, fsync_dir
 from hpctrain.data.shards import INDEX, MANIFEST
 from hpctrain.dist.env import expand_path
 from hpctrain.errors import UserError
+from hpctrain.filesystems import NETWORK_FS, filesystem_type
 from hpctrain.units import format_size
 
 log = logging.getLogger("hpctrain")
@@ -79,11 +80,19 @@ def stage_split(split_dir: Path, stage_dir: str) -> Path:
 def stage_root(stage_dir: str) -> Path:
     """data.stage_dir as a path on this node ($VARIABLES and ~ expanded); it must exist."""
     root = Path(expand_path(stage_dir, "data.stage_dir"))
+    shown = f"{stage_dir} ({root})" if str(root) != stage_dir else stage_dir
     if not root.is_dir():
-        shown = f"{stage_dir} ({root})" if str(root) != stage_dir else stage_dir
-        raise UserError(f"data.stage_dir {shown} does not exist on {socket.gethostname()}",
+        what = "is not a folder" if root.exists() else "does not exist"
+        raise UserError(f"data.stage_dir {shown} {what} on {socket.gethostname()}",
                         "point it at a node-local folder that exists on every node ($TMPDIR, a local NVMe mount), "
                         "or leave data.stage_dir empty to read the shards where they are.")
+    fs = filesystem_type(root)
+    if fs in NETWORK_FS:
+        # Besides copying from one shared filesystem to another: flock there is often per node (BeeGFS, Lustre's
+        # localflock, NFS with local_lock) or missing, so the nodes' copiers would write the same files at once.
+        raise UserError(f"data.stage_dir {shown} is on a {fs} filesystem shared over the network: staging copies the "
+                        "shards to a node-local disk", "point data.stage_dir at a node-local disk ($TMPDIR, a local "
+                        "NVMe mount), or leave it empty to read the shards where they are.")
     return root
 
 
@@ -134,6 +143,10 @@ def _take_node_lock(fd: int, target: Path, source: Path, total: int) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         _wait_for_lock(fd, target, source, total)
+    except OSError as err:  # ENOLCK, ENOSYS: a filesystem without locks is not a node-local disk
+        raise UserError(f"cannot lock {target} to stage {source}: {err.strerror}",
+                        "point data.stage_dir at a node-local disk ($TMPDIR, a local NVMe mount), or leave it empty "
+                        "to read the shards where they are.") from None
 
 
 def _wait_for_lock(fd: int, target: Path, source: Path, total: int) -> None:
@@ -183,8 +196,11 @@ def _copy_split(source: Path, target: Path, manifest: dict[str, Any], manifest_b
     started = time.monotonic()
     _copy_shards(source, target, todo)
     _copy_file(source / INDEX, target / INDEX, None, _Progress(source, 0), threading.Event())
-    atomic_write_bytes(target / MANIFEST, manifest_bytes)  # last: the copy is complete
-    fsync_dir(target)
+    try:
+        atomic_write_bytes(target / MANIFEST, manifest_bytes)  # last: the copy is complete
+        fsync_dir(target)
+    except OSError as err:
+        raise _copy_error(source / MANIFEST, target / MANIFEST, err) from None
     seconds, copied = time.monotonic() - started, sum(s["bytes"] for s in todo)
     log.info("staged %s in %s: %d shard(s), %s copied in %.1f s (%s/s); %d shard(s) already there reused",
              source, target, len(todo), format_size(copied), seconds, format_size(copied / max(seconds, 1e-3)), reused)

@@ -344,17 +344,24 @@ def launch_variables(environ: Mapping[str, str] | None = None) -> dict[str, str]
     return {k: v for k, v in sorted(env.items()) if k in names or k.startswith(DOCTOR_PREFIXES)}
 
 
-_VARIABLE = re.compile(r"\$(\w+|\{[^}]*\})")
+_VARIABLE = re.compile(r"\$(?:(\w+)|\{(\w+)(?::-([^}]*))?\})")  # $VAR, ${VAR}, ${VAR:-default}
 
 
 def expand_path(value: str, key: str, environ: Mapping[str, str] | None = None) -> str:
-    """A config path with ~ and $VARIABLES expanded from this process's environment: on the node that uses it,
-    not where the config was written ($TMPDIR and $SLURM_TMPDIR differ per node and per job). An unset variable
-    is an error naming it, not a folder literally called '$SLURM_TMPDIR'."""
+    """A config path with ~ and $VARIABLES (also ${VAR:-default}, as in the shell) expanded from this process's
+    environment: on the node that uses it, not where the config was written ($TMPDIR and $SLURM_TMPDIR differ per
+    node and per job). An unset variable without a default is an error naming it, not a folder literally called
+    '$SLURM_TMPDIR'."""
     env = os.environ if environ is None else environ
-    missing = [m.group(1).strip("{}") for m in _VARIABLE.finditer(value) if m.group(1).strip("{}") not in env]
-    if missing:
-        raise UserError(f"{key}={value}: the environment variable {missing[0]} is not set on {socket.gethostname()}",
-                        f"set {key} to a path, or to a variable that every node of the job has (e.g. $TMPDIR).")
-    expanded = _VARIABLE.sub(lambda m: env[m.group(1).strip("{}")], value)
-    return os.path.expanduser(expanded)
+
+    def value_of(m: re.Match) -> str:
+        name, default = m.group(1) or m.group(2), m.group(3)
+        if env.get(name) or (name in env and default is None):
+            return env[name]
+        if default is not None:
+            return default
+        raise UserError(f"{key}={value}: the environment variable {name} is not set on {socket.gethostname()}",
+                        f"set {key} to a path, to a variable that every node of the job has, or give a default as "
+                        f"in the shell: ${{{name}:-/local/scratch}}.")
+
+    return os.path.expanduser(_VARIABLE.sub(value_of, value))

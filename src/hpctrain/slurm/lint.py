@@ -21,16 +21,12 @@ from hpctrain.data.shards import MANIFEST
 from hpctrain.data.staging import free_bytes
 from hpctrain.dist.env import module_system_present
 from hpctrain.errors import UserError
+from hpctrain.filesystems import NETWORK_FS, NODE_LOCAL_FS, filesystem_type
 from hpctrain.slurm.render import JobSpec, cpus_per_task
 from hpctrain.slurm.timelimit import format_duration, time_limit_seconds
 from hpctrain.units import format_size
 
-# Filesystems that live on one node: a multi-node job's other nodes cannot see a run dir there.
-NODE_LOCAL_FS = frozenset({"tmpfs", "ramfs", "ext2", "ext3", "ext4", "xfs", "btrfs", "overlay", "f2fs", "zfs"})
 NODE_LOCAL_DIRS = ("/tmp", "/dev/shm", "/var/tmp", "/scratch/local", "/local")
-# Filesystems every node reads over the network: exact order reads the whole data set per node and epoch from them.
-NETWORK_FS = frozenset({"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "ceph", "glusterfs", "fuse.glusterfs",
-                        "panfs", "wekafs", "cifs", "smb3", "pvfs2", "orangefs", "afs", "fuse.sshfs"})
 # Shards a node's page cache keeps are read from the shared filesystem once (the first epoch), staged or not:
 # staging pays off above that. Without sinfo: half of a 64 GB node.
 PAGE_CACHE_SHARE = 0.5
@@ -356,26 +352,6 @@ def node_cpus(s: SlurmSection, facts: Facts) -> int:
 
 
 # --- facts of this machine ---
-
-def filesystem_type(path: Path) -> str:
-    """Type of the filesystem holding ``path`` (longest mount point prefix in /proc/mounts)."""
-    path = path.resolve()
-    while not path.exists():
-        path = path.parent
-    best, fstype = "", ""
-    try:
-        mounts = Path("/proc/mounts").read_text().splitlines()
-    except OSError:
-        return ""
-    for line in mounts:
-        parts = line.split()
-        if len(parts) < 3:
-            continue
-        mount = parts[1].replace("\\040", " ")
-        if (str(path) == mount or str(path).startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
-            best, fstype = mount, parts[2]
-    return fstype
-
 
 def partition_nodes(partition: str) -> tuple[NodeFacts, ...]:
     """Node types of a partition from sinfo (CPUs, GPUs from gres, memory, count); () without sinfo."""
