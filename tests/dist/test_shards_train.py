@@ -107,6 +107,8 @@ def test_shard_local_order_resumes_exactly_at_the_same_world_size(tmp_path: Path
         assert stopped[step] == pytest.approx(loss, rel=1e-5), f"step {step}"
     switched = train(tmp_path / "stopped2", shards, 2, 0, "train.stop_at_step=2")
     assert switched.returncode == 0, switched.output
+    exact = losses(tmp_path / "stopped2")
+    assert all(exact[k] != pytest.approx(reference[k], rel=1e-5) for k in (1, 2)), "training took the shard-local order"
     back = train(tmp_path / "stopped2", shards, 2, 0, "data.order=shard_local")
     assert back.returncode == 0, back.output
     assert "written with data.order=exact, this run has data.order=shard_local" in back.stderr

@@ -12,8 +12,7 @@ from hpctrain.config.batch import plan_batches
 from hpctrain.config.schema import DataSection
 from hpctrain.data.loader import build_loader
 from hpctrain.data.sampler import StepBatchSampler
-from hpctrain.data.shard_local import (RankLayout, data_order_warning, deal_shards, foreign_samples,
-                                       shard_local_order, shard_local_summary)
+from hpctrain.data.shard_local import RankLayout, data_order_warning, deal_shards, shard_local_order, shard_local_summary
 from hpctrain.data.shards import write_split
 from hpctrain.data.shardset import ShardDataset
 from tests.unit.test_shard_loading import runtime
@@ -54,15 +53,16 @@ def test_a_rank_reads_its_own_shards_but_for_the_equalising_samples(sizes, world
             foreign = [i for i in mine if shard[i] not in owned[r]]
             assert len(foreign) <= max(sizes), f"rank {r} reads {len(foreign)} samples of others' shards"
             assert mine[len(mine) - len(foreign):] == foreign, "borrowed samples come at the end of the epoch"
-    if len(set(sizes)) == 1 and len(sizes) % world == 0 and (sizes[0] * len(sizes) // world) % per_rank == 0:
-        assert foreign_samples(sizes, world, per_rank) == 0
+        if len(set(sizes)) == 1 and len(sizes) % world == 0 and (sizes[0] * len(sizes) // world) % per_rank == 0:
+            assert all(shard[i] in owned[r] for r in range(world) for i in per_step[:, r].reshape(-1).tolist()), \
+                "equal shards, equal shares: no rank borrows"
 
 
 def _epoch_generator(epoch: int) -> torch.Generator:
-    from hpctrain.data.seeding import SALT_ORDER, generator
-    from hpctrain.data.shard_local import SALT_SHARD_LOCAL
+    from hpctrain.data.seeding import SALT_SHARD_LOCAL, generator
+    from hpctrain.data.shard_local import DEAL
 
-    return generator(SALT_SHARD_LOCAL, SALT_ORDER, SEED, epoch)
+    return generator(SALT_SHARD_LOCAL, DEAL, SEED, epoch)
 
 
 def test_shards_are_dealt_anew_each_epoch_and_the_order_is_a_function_of_its_inputs():
@@ -141,10 +141,11 @@ def test_a_resume_that_changes_the_order_says_what_changes():
 def test_too_few_shards_per_rank_is_a_warning():
     import logging
 
-    level, text = shard_local_summary([100, 100, 100], 4, 8)
+    level, text = shard_local_summary([100, 100, 100], 4)
     assert level == logging.WARNING and "write at least 8 shards" in text
-    level, text = shard_local_summary([100] * 16, 4, 8)
-    assert level == logging.INFO and "16 shards (1600 samples) dealt to 4 ranks" in text
+    level, text = shard_local_summary([100] * 15 + [120], 4)
+    assert level == logging.INFO and "16 shards (1620 samples) dealt to 4 ranks" in text
+    assert "at most 120 samples per rank and epoch (the largest shard)" in text
 
 
 def test_bytes_per_node_follow_the_read_plan():
@@ -164,6 +165,10 @@ def test_bytes_per_node_follow_the_read_plan():
             assert per_node.tolist() == pytest.approx([total * share] * 2), order
         one = bench.node_bytes(layout, bench._order("exact", tuple(layout.sizes), 1, 2, 16, 32), 1, 2, 16, block)
         assert one.tolist() == [total], "one node reads the set once, partial last blocks counted at their length"
+        # Unshuffled, blocks of 32 records: step k is samples 64k..64k+63, node 0's two ranks take the first 32 (the
+        # first block of a shard), node 1's the next 32 (the second block); nobody needs the header-only third.
+        halves = bench.node_bytes(layout, torch.arange(512), 2, 2, 16, 32 * 2560)
+        assert halves.tolist() == [8 * 32 * 2560] * 2, "a node's ranks are consecutive: ranks 0, 1 on node 0"
 
 
 def test_the_bytes_benchmark_prints_its_table(capsys):
@@ -182,6 +187,60 @@ def test_shard_local_on_a_set_that_is_not_sharded_says_what_to_do(tmp_path: Path
 
     assert main(["train", "digits", "data.order=shard_local", f"run.dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err
-    assert "data.order=shard_local needs a sharded training set; experiment digits" in err
+    assert "data.order=shard_local needs a sharded training set (a ShardDataset); experiment digits" in err
     assert "or set data.order=exact" in err
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def _run_config(*overrides: str):
+    from hpctrain.config import load_config
+    from hpctrain.experiments import resolve_experiment
+
+    cls = resolve_experiment("tests.shard_experiment:ShardClassifier")
+    return load_config("tests.shard_experiment:ShardClassifier", cls.config_class, experiment_defaults=cls.defaults,
+                       overrides=list(overrides))
+
+
+def test_training_takes_the_order_data_order_names(shards: Path):
+    """train_order as build_context calls it: the sampler gets the shard-local order for this world size, or the
+    exact one; a set without a layout-aware order is refused."""
+    from types import SimpleNamespace
+
+    from hpctrain.train.run import train_order
+
+    ds = ShardDataset(shards, ["cls"], window=8)
+    data, plan = SimpleNamespace(train=ds), plan_batches(12, 2, 2)
+    local = train_order(_run_config("data.order=shard_local"), runtime(1, 2), data, plan)
+    expected = shard_local_order(ds.sizes, SEED, 1, 8, RankLayout(2, 6))
+    assert torch.equal(local(SEED, 1, True), expected)
+    exact = train_order(_run_config(), runtime(1, 2), data, plan)
+    assert torch.equal(exact(SEED, 1, True), ds.epoch_order(SEED, 1, True))
+    assert not torch.equal(exact(SEED, 1, True), expected)
+    custom = SimpleNamespace(train=SimpleNamespace(epoch_order=lambda seed, epoch, shuffle: torch.arange(78)))
+    with pytest.raises(Exception, match="data.order=shard_local needs a sharded training set"):
+        train_order(_run_config("data.order=shard_local"), runtime(0, 2), custom, plan)
+
+
+def test_a_resume_records_this_runs_order_and_warns_from_the_saved_one(caplog):
+    """_continue_from: the saved order and world size against this launch's; the state goes on in this run's order."""
+    import logging
+    from types import SimpleNamespace
+
+    from hpctrain.train.run import _continue_from
+
+    def resume(saved_order: str, saved_world: int, order: str, world: int):
+        ctx = SimpleNamespace(cfg=_run_config(f"data.order={order}"), runtime=runtime(0, world), total_steps=100)
+        info = {"step": 7, "epoch": 1, "step_in_epoch": 3, "samples_seen": 84, "global_batch_size": 12,
+                "data_order": saved_order}
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="hpctrain"):
+            state = _continue_from(ctx, SimpleNamespace(info=info, path=Path("ckpt"), saved_world_size=saved_world))
+        return state, caplog.text
+
+    state, text = resume("exact", 2, "shard_local", 2)
+    assert state.data_order == "shard_local" and (state.epoch, state.step_in_epoch) == (1, 3)
+    assert "written with data.order=exact, this run has data.order=shard_local" in text
+    _, text = resume("shard_local", 4, "shard_local", 2)
+    assert "written by 4 process(es), this run has 2" in text
+    _, text = resume("shard_local", 2, "shard_local", 2)
+    assert "follows this run's order" not in text

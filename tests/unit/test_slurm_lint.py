@@ -129,7 +129,7 @@ def test_a_stage_dir_that_cannot_hold_the_shards():
     assert not staging_findings("data.stage_dir=$TMPDIR", facts=data_facts("lustre", 0)), "no manifest found: silent"
 
 
-def test_the_facts_of_the_data_are_gathered_from_the_manifests(tmp_path):
+def test_the_facts_of_the_data_are_gathered_from_the_manifests(tmp_path, monkeypatch):
     from hpctrain.data.shards import write_split
     from hpctrain.filesystems import filesystem_type
     from hpctrain.slurm.lint import gather_facts
@@ -152,6 +152,8 @@ def test_the_facts_of_the_data_are_gathered_from_the_manifests(tmp_path):
     train = list((tmp_path / "set" / "train").glob("*.tar"))
     assert (here.train_shards, here.train_bytes) == (len(train), sum(p.stat().st_size for p in train))
     assert facts("$SLURM_TMPDIR").stage_free == facts(str(tmp_path / "only-on-nodes")).stage_free == -1
+    monkeypatch.setenv("HPCTRAIN_TEST_SCRATCH", str(tmp_path))
+    assert facts("${HPCTRAIN_TEST_SCRATCH}").stage_free > 0, "a variable of the user's, set here, is expanded here"
 
 
 def test_shard_local_with_too_few_shards_per_rank():
@@ -160,7 +162,7 @@ def test_shard_local_with_too_few_shards_per_rank():
                if f.key == "data.order"]
     assert found.level == "warning"
     assert found.message.startswith("data.order=shard_local with 20 training shards for 16 ranks: ranks get unequal")
-    assert found.hint == "write at least 32 shards (hpctrain shard --shard-size about 5 GB), or use data.order=exact"
+    assert found.hint == "write at least 32 shards (hpctrain shard --shard-size about 5000MB), or use data.order=exact"
     enough = data_facts("lustre", 200e9, train_shards=32, train_bytes=160 * 10**9)
     assert not [f for f in findings("data.order=shard_local", "slurm.nodes=4", "slurm.gpus_per_node=4",
                                     facts=enough)[1] if f.key == "data.order"]

@@ -33,6 +33,8 @@ SALT_ORDER = 1
 SALT_SAMPLE = 2
 SALT_RANK = 3
 SALT_WORKER = 4
+# 5: SALT_POSITION (data/positional.py)
+SALT_SHARD_LOCAL = 6
 
 
 def generator(*parts: int) -> torch.Generator:

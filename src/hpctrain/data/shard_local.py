@@ -27,9 +27,10 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from hpctrain.data.seeding import SALT_ORDER, generator
+from hpctrain.data.seeding import SALT_SHARD_LOCAL, generator
 
-SALT_SHARD_LOCAL = 5  # its own streams: the exact order's (SALT_ORDER, seed, epoch) draws stay as they were
+# Sub-streams of SALT_SHARD_LOCAL: the deal of an epoch, and each rank's window shuffle.
+DEAL, WINDOWS = 0, 1
 
 
 class RankLayout(NamedTuple):
@@ -72,12 +73,12 @@ def shard_local_order(sizes: Sequence[int], seed: int, epoch: int, window: int, 
     starts = [0]
     for n in sizes:
         starts.append(starts[-1] + int(n))
-    g = generator(SALT_SHARD_LOCAL, SALT_ORDER, seed, epoch) if shuffle else None
+    g = generator(SALT_SHARD_LOCAL, DEAL, seed, epoch) if shuffle else None
     streams = []
     for rank, shards in enumerate(deal_shards(sizes, world, g)):
         stream = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in shards] or [torch.arange(0)])
         if shuffle:
-            stream = window_shuffle(stream, window, generator(SALT_SHARD_LOCAL, seed, epoch, rank))
+            stream = window_shuffle(stream, window, generator(SALT_SHARD_LOCAL, WINDOWS, seed, epoch, rank))
         streams.append(stream)
     steps = starts[-1] // (world * per_rank)
     rank_parts, dropped = equalise(streams, steps * per_rank)
@@ -95,14 +96,6 @@ def equalise(streams: list[torch.Tensor], take: int) -> tuple[list[torch.Tensor]
         out.append(torch.cat([s[:take], surplus[used : used + need]]))
         used += need
     return out, surplus[used:]
-
-
-def foreign_samples(sizes: Sequence[int], world_size: int, per_rank: int) -> int:
-    """How many samples the most-filled rank reads from others' shards per epoch (the price of equal step counts),
-    for the warning and the docs: the shortfall of the least-loaded rank."""
-    owned = deal_shards(sizes, world_size, None)
-    take = (sum(int(n) for n in sizes) // (world_size * per_rank)) * per_rank
-    return max(0, take - min(sum(int(sizes[s]) for s in shards) for shards in owned))
 
 
 def data_order_warning(epoch: int, step_in_epoch: int, saved_order: str, order: str, saved_world: int, world: int) -> str:
@@ -125,18 +118,19 @@ def data_order_warning(epoch: int, step_in_epoch: int, saved_order: str, order: 
             f"are complete. For an exact continuation, {fix}.")
 
 
-def shard_local_summary(sizes: Sequence[int], world_size: int, per_rank: int) -> tuple[int, str]:
+def shard_local_summary(sizes: Sequence[int], world_size: int) -> tuple[int, str]:
     """(logging level, text) for the start of a shard_local run: how the shards are dealt, what equal step counts
     cost, and a warning when there are too few shards for the order to keep reads local."""
     import logging
 
     shards, samples = len(sizes), sum(int(n) for n in sizes)
-    foreign = foreign_samples(sizes, world_size, per_rank)
-    text = (f"data.order=shard_local: {shards} shards ({samples} samples) dealt to {world_size} ranks per epoch; up to "
-            f"{foreign} samples per rank and epoch come from another rank's shard, to keep step counts equal")
+    # Dealt to the least-loaded rank, loads differ by at most the largest shard: so does any rank's shortfall.
+    text = (f"data.order=shard_local: {shards} shards ({samples} samples) dealt to {world_size} ranks per epoch; at "
+            f"most {max(int(n) for n in sizes)} samples per rank and epoch (the largest shard) come from another "
+            "rank's shard, to keep step counts equal")
     if shards < 2 * world_size:
         return logging.WARNING, (
-            f"{text}. With fewer than 2 shards per rank the shards differ in count between ranks by a large fraction "
-            f"and many samples are read from other ranks' shards: write at least {2 * world_size} shards "
-            "(hpctrain shard --shard-size smaller), or use data.order=exact.")
+            f"{text}. With fewer than 2 shards per rank the ranks' shares differ by a large fraction and many samples "
+            f"are read from other ranks' shards: write at least {2 * world_size} shards (hpctrain shard "
+            "--shard-size smaller), or use data.order=exact.")
     return logging.INFO, text

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass, field
@@ -19,13 +20,15 @@ from hpctrain.config.batch import plan_batches
 from hpctrain.config.schema import RunConfig, SlurmSection
 from hpctrain.data.shards import MANIFEST
 from hpctrain.data.staging import free_bytes
-from hpctrain.dist.env import module_system_present
+from hpctrain.dist.env import expand_path, module_system_present
 from hpctrain.errors import UserError
 from hpctrain.filesystems import NETWORK_FS, NODE_LOCAL_FS, filesystem_type
 from hpctrain.slurm.render import JobSpec, cpus_per_task
 from hpctrain.slurm.timelimit import format_duration, time_limit_seconds
 from hpctrain.units import format_size
 
+# Variables that differ between the login node and a job's nodes: a stage dir naming one cannot be measured here.
+PER_JOB_VARIABLE = re.compile(r"\$\{?(TMPDIR|SLURM_\w+|LOCAL\w*)\b")
 NODE_LOCAL_DIRS = ("/tmp", "/dev/shm", "/var/tmp", "/scratch/local", "/local")
 # Shards a node's page cache keeps are read from the shared filesystem once (the first epoch), staged or not:
 # staging pays off above that. Without sinfo: half of a 64 GB node.
@@ -265,7 +268,8 @@ def _staging(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
                         f"{stage} is on a {facts.stage_fs} filesystem: staging would copy the shards from one shared "
                         "filesystem to another", "point data.stage_dir at a node-local disk ($TMPDIR, a local NVMe)")]
     if facts.stage_free < 0:
-        why = "is set per node and job" if "$" in stage else "does not exist here (only on the compute nodes?)"
+        why = "is set per node and job" if PER_JOB_VARIABLE.search(stage) else \
+            "does not exist here (only on the compute nodes?)"
         return [Finding("info", "data.stage_dir", f"{stage} {why}: its free space cannot be checked here",
                         f"make sure it holds {format_size(size)} on every node (one copy of the shards per node)")]
     if facts.stage_free < size:
@@ -286,7 +290,7 @@ def _shard_local(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
                     f"data.order=shard_local with {facts.train_shards} training shards for {world} ranks: ranks get "
                     "unequal shares and read many samples from other ranks' shards, which undoes the local reads",
                     f"write at least {2 * world} shards (hpctrain shard --shard-size about "
-                    f"{format_size(facts.train_bytes / (2 * world))}), or use data.order=exact")]
+                    f"{max(1, int(facts.train_bytes / (2 * world) // 10**6))}MB), or use data.order=exact")]
 
 
 def page_cache_bytes(s: SlurmSection, facts: Facts) -> int:
@@ -404,12 +408,23 @@ def _data_facts(cfg: RunConfig, workdir: Path) -> dict:
 
     dirs = [workdir / d for d in resolve_experiment(cfg.experiment)(cfg).shard_dirs()]
     train = _manifest_shards(dirs[0]) if dirs else []
-    stage = Path(os.path.expanduser(cfg.data.stage_dir)) if cfg.data.stage_dir else None
-    visible = stage is not None and "$" not in str(stage) and stage.is_dir()
+    stage = _stage_dir_here(cfg.data.stage_dir)
+    visible = stage is not None and stage.is_dir()
     return {"data_dirs": tuple(str(d) for d in dirs), "data_fs": filesystem_type(dirs[0]) if dirs else "",
             "data_bytes": sum(sum(int(s["bytes"]) for s in _manifest_shards(d)) for d in dirs),
             "train_shards": len(train), "train_bytes": sum(int(s["bytes"]) for s in train),
             "stage_free": free_bytes(stage) if visible else -1, "stage_fs": filesystem_type(stage) if visible else ""}
+
+
+def _stage_dir_here(stage_dir: str) -> Path | None:
+    """data.stage_dir as a path here, where that means the same folder as on the compute nodes: not when it names
+    a variable set per node and job ($TMPDIR, $SLURM_*), or one unset here."""
+    if not stage_dir or PER_JOB_VARIABLE.search(stage_dir):
+        return None
+    try:
+        return Path(expand_path(stage_dir, "data.stage_dir"))
+    except UserError:
+        return None
 
 
 def _manifest_shards(split_dir: Path) -> list[dict]:

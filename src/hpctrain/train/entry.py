@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +98,15 @@ def train_command(req: TrainRequest) -> int:
     return _train_here(cls, cfg, launch, req)
 
 
+def unstaged(cfg: RunConfig) -> RunConfig:
+    """The config without data.stage_dir: evaluation reads the validation set once, which a copy to every node
+    (of the training split too: experiments build both) would only delay."""
+    if cfg.data.stage_dir:
+        log.info("hpctrain eval reads the shards where they are: data.stage_dir=%s is for training's epochs",
+                 cfg.data.stage_dir)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, stage_dir=""))
+
+
 @record  # torchrun's error file: the launcher's failure report and alert then carry this rank's error
 def _train_here(cls: type[Experiment], cfg: RunConfig, launch: LaunchInfo, req: TrainRequest) -> int:
     setup_logging(launch.rank, launch.world_size, launch.hostname, req.debug)
@@ -111,7 +121,7 @@ def _train_here(cls: type[Experiment], cfg: RunConfig, launch: LaunchInfo, req: 
 
     with distributed_session(launch, cfg.dist) as runtime:
         if req.command == "eval":
-            run_evaluation(cfg, runtime, cls(cfg), config_to_toml(cfg))
+            run_evaluation(cfg, runtime, cls(unstaged(cfg)), config_to_toml(cfg))
             return 0
         if req.command == "sample":
             from hpctrain.train.sample import sample_here

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import logging
 import time
@@ -61,6 +62,9 @@ def build_context(
     data = experiment.build_datasets()
     # Nodes finish staging their data (data.stage_dir) at different times: wait for the slowest on the control
     # plane (dist.control_timeout_s), not in DDP's first broadcast, which would time out after dist.timeout_s.
+    if cfg.data.stage_dir and runtime.is_main and runtime.distributed:
+        log.info("staged here; waiting for every node's copy (at most dist.control_timeout_s=%d s)",
+                 cfg.dist.control_timeout_s)
     barrier(runtime)
     model = experiment.build_model()
     if pretrained:
@@ -120,16 +124,20 @@ def train_order(cfg: RunConfig, runtime: Runtime, data, plan) -> OrderFn | None:
     """A sharded set brings its own epoch order: local windows for sequential reads with the exact order's
     guarantees, or with data.order=shard_local each rank's own shards (hpctrain.data.shard_local)."""
     order = getattr(data.train, "epoch_order", None)
+    if order is None and cfg.data.stage_dir and runtime.is_main:
+        log.warning("data.stage_dir=%s is set, but experiment %s reads no shards for training: nothing is staged",
+                    cfg.data.stage_dir, cfg.experiment)
     if cfg.data.order == "exact":
         return order
-    if order is None:
+    if order is None or "layout" not in inspect.signature(order).parameters:
         raise on_every_rank(UserError(
-            f"data.order=shard_local needs a sharded training set; experiment {cfg.experiment} reads its training "
-            "data another way", "write shards (hpctrain shard) and point the experiment at them, or set data.order=exact."))
+            f"data.order=shard_local needs a sharded training set (a ShardDataset); experiment {cfg.experiment} reads "
+            "its training data another way", "write shards (hpctrain shard) and point the experiment at them, or set "
+            "data.order=exact."))
     # The order is a ShardDataset's bound method (experiments' wrappers pass it on): its shard sizes, for the summary.
     sizes = getattr(getattr(order, "__self__", None), "sizes", None)
     if runtime.is_main and sizes is not None:
-        log.log(*shard_local_summary(sizes, runtime.world_size, plan.per_rank))
+        log.log(*shard_local_summary(sizes, runtime.world_size))
     return functools.partial(order, layout=RankLayout(runtime.world_size, plan.per_rank))
 
 
@@ -256,10 +264,11 @@ def _restore_streams(ctx: TrainContext, resumed: Resumed) -> None:
     seed_rank_streams(ctx.cfg.run.seed, ctx.runtime.rank, int(resumed.info["step"]))
     if not ctx.runtime.is_main:
         return
+    exact = ctx.cfg.data.order == "exact" and TrainState.from_dict(resumed.info).data_order in ("", "exact")
     log.warning(
         "resuming a run saved by %d processes on %d: %sthe per-rank random streams (dropout, noise) are re-seeded "
         "from (seed, rank, step)", resumed.saved_world_size, ctx.runtime.world_size,
-        "data order and position are exact, but " if ctx.cfg.data.order == "exact" else "",
+        "data order and position are exact, but " if exact else "",
     )
 
 
