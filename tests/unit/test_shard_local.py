@@ -142,10 +142,12 @@ def test_too_few_shards_per_rank_is_a_warning():
     import logging
 
     level, text = shard_local_summary([100, 100, 100], 4)
-    assert level == logging.WARNING and "write at least 8 shards" in text
+    assert level == logging.WARNING and "up to about 25% of an epoch" in text and "e.g. 4 (hpctrain shard" in text
+    level, text = shard_local_summary([100] * 6, 4)
+    assert level == logging.WARNING and "up to about 17% of an epoch" in text and "e.g. 8 (hpctrain shard" in text
     level, text = shard_local_summary([100] * 15 + [120], 4)
     assert level == logging.INFO and "16 shards (1620 samples) dealt to 4 ranks" in text
-    assert "at most 120 samples per rank and epoch (the largest shard)" in text
+    assert "up to about 0% of an epoch (at most 120 samples a rank, the largest shard)" in text
 
 
 def test_bytes_per_node_follow_the_read_plan():
@@ -244,3 +246,16 @@ def test_a_resume_records_this_runs_order_and_warns_from_the_saved_one(caplog):
     assert "written by 4 process(es), this run has 2" in text
     _, text = resume("shard_local", 2, "shard_local", 2)
     assert "follows this run's order" not in text
+
+
+@pytest.mark.parametrize("shards,ranks", [(533, 512), (768, 512), (3, 4), (9, 4), (12, 4)])
+def test_the_borrowed_share_is_what_the_order_borrows_for_equal_shards(shards, ranks):
+    from hpctrain.data.shard_local import borrowed_share
+
+    sizes = [ranks] * shards  # an epoch of whole steps: nothing dropped, so the borrowing is the whole difference
+    order = shard_local_order(sizes, SEED, 0, 8, RankLayout(ranks, 1), shuffle=False)
+    owned = deal_shards(sizes, ranks, None)
+    shard = owner_of(sizes)
+    read = order[: len(order) // ranks * ranks].reshape(-1, ranks)
+    borrowed = sum(shard[i] not in owned[r] for r in range(ranks) for i in read[:, r].tolist())
+    assert borrowed / sum(sizes) == pytest.approx(borrowed_share(shards, ranks), abs=1 / sum(sizes) + 1e-9)

@@ -118,19 +118,39 @@ def data_order_warning(epoch: int, step_in_epoch: int, saved_order: str, order: 
             f"are complete. For an exact continuation, {fix}.")
 
 
+def borrowed_share(shards: int, ranks: int) -> float:
+    """How much of an epoch is read from another rank's shard, for shards of equal size: ranks hold floor(S/R) or
+    one more, and those holding fewer borrow up to the difference to the mean (less where the dropped partial
+    global batch comes out of it). 0 for a multiple of R."""
+    held, extra = divmod(shards, ranks)
+    if held == 0:
+        return (ranks - shards) / ranks  # ranks without a shard borrow all they read
+    return (ranks - extra) * (extra / ranks) / shards
+
+
 def shard_local_summary(sizes: Sequence[int], world_size: int) -> tuple[int, str]:
     """(logging level, text) for the start of a shard_local run: how the shards are dealt, what equal step counts
-    cost, and a warning when there are too few shards for the order to keep reads local."""
+    cost, and a warning when so much is borrowed that reads are no longer local."""
     import logging
 
     shards, samples = len(sizes), sum(int(n) for n in sizes)
+    share = borrowed_share(shards, world_size)
     # Dealt to the least-loaded rank, loads differ by at most the largest shard: so does any rank's shortfall.
-    text = (f"data.order=shard_local: {shards} shards ({samples} samples) dealt to {world_size} ranks per epoch; at "
-            f"most {max(int(n) for n in sizes)} samples per rank and epoch (the largest shard) come from another "
-            "rank's shard, to keep step counts equal")
-    if shards < 2 * world_size:
+    text = (f"data.order=shard_local: {shards} shards ({samples} samples) dealt to {world_size} ranks per epoch; "
+            f"up to about {share:.0%} of an epoch (at most {max(int(n) for n in sizes)} samples a rank, the largest shard) "
+            "is read from another rank's shard, to keep step counts equal")
+    if share > MAX_BORROWED:
         return logging.WARNING, (
-            f"{text}. With fewer than 2 shards per rank the ranks' shares differ by a large fraction and many samples "
-            f"are read from other ranks' shards: write at least {2 * world_size} shards (hpctrain shard "
-            "--shard-size smaller), or use data.order=exact.")
+            f"{text}. Those reads are scattered over the other rank's blocks, so they cost more than their share: "
+            f"write a multiple of {world_size} shards, e.g. {good_shard_count(shards, world_size)} (hpctrain shard "
+            "--shard-size), or use data.order=exact.")
     return logging.INFO, text
+
+
+MAX_BORROWED = 0.1
+"""Above this share of borrowed samples, the start-up log and hpctrain slurm check warn."""
+
+
+def good_shard_count(shards: int, ranks: int) -> int:
+    """The next multiple of the ranks: equal shards, equal shares, nothing borrowed."""
+    return ranks * max(1, -(-shards // ranks))

@@ -1,7 +1,7 @@
 """Node-local staging (``data.stage_dir``): a split's shards are copied once per node, then read locally.
 
 Without it a node reads up to the whole split from the shared filesystem each epoch (docs/data.md, "Data at cluster
-scale": the exact order costs about min(nodes, block / sample size) x the split per epoch), competing with every other
+scale": the exact order costs about min(nodes, 1 + block / sample size) x the split per epoch), competing with every other
 job; a node-local disk ($TMPDIR, an NVMe) serves the same reads after one sequential copy per node. The copy is made so that nothing half-done is ever read:
 
 - **One copier per node.** The node's processes take a lock (``flock``) in the staged folder; the first copies,

@@ -18,6 +18,7 @@ from typing import Literal
 
 from hpctrain.config.batch import plan_batches
 from hpctrain.config.schema import RunConfig, SlurmSection
+from hpctrain.data.shard_local import MAX_BORROWED, borrowed_share, good_shard_count
 from hpctrain.data.shards import MANIFEST
 from hpctrain.data.staging import free_bytes
 from hpctrain.dist.env import expand_path, module_system_present
@@ -282,15 +283,20 @@ def _staging(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
 
 
 def _shard_local(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
-    """data.order=shard_local deals shards to ranks: with fewer than two a rank, many samples come from others'."""
+    """data.order=shard_local deals shards to ranks: a shard count far from a multiple of the ranks makes many
+    ranks borrow samples from others' shards."""
     world = cfg.slurm.nodes * cfg.slurm.gpus_per_node
-    if cfg.data.order != "shard_local" or not facts.train_shards or facts.train_shards >= 2 * world:
+    if cfg.data.order != "shard_local" or not facts.train_shards:
         return []
+    share = borrowed_share(facts.train_shards, world)
+    if share <= MAX_BORROWED:
+        return []
+    good = good_shard_count(facts.train_shards, world)
     return [Finding("warning", "data.order",
-                    f"data.order=shard_local with {facts.train_shards} training shards for {world} ranks: ranks get "
-                    "unequal shares and read many samples from other ranks' shards, which undoes the local reads",
-                    f"write at least {2 * world} shards (hpctrain shard --shard-size about "
-                    f"{max(1, int(facts.train_bytes / (2 * world) // 10**6))}MB), or use data.order=exact")]
+                    f"data.order=shard_local with {facts.train_shards} training shards for {world} ranks: up to about "
+                    f"{share:.0%} of each epoch is read from other ranks' shards, which undoes the local reads",
+                    f"write a multiple of {world} shards, e.g. {good} (hpctrain shard --shard-size about "
+                    f"{max(1, int(facts.train_bytes / good // 10**6))}MB), or use data.order=exact")]
 
 
 def page_cache_bytes(s: SlurmSection, facts: Facts) -> int:
