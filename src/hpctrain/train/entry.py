@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import logging
 import dataclasses
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
