@@ -6,9 +6,12 @@ mounts SOURCE at MOUNTPOINT in the foreground until Ctrl-C. From Python, ``with 
 Slowness(...)):`` runs it in a child process for the block and unmounts it afterwards, also when the block raises.
 
 What it models (typical of Lustre or GPFS under load, e.g. 0.5 ms a metadata operation and 1 GB/s):
-- every metadata operation (getattr, which is also the high-level API's lookup; open, opendir, readdir, access,
-  statfs) sleeps ``meta_ms``: a round trip to a metadata server. The kernel's attribute and entry caches are
-  switched off (timeouts 0), so every stat and every path lookup reaches this file system and pays it.
+- every metadata operation (open, opendir, readdir, access, statfs, and getattr, which is also the high-level
+  API's lookup) sleeps ``meta_ms``: a round trip to a metadata server. The kernel's entry cache is switched off
+  (timeout 0), so every stat and every open by name reaches this file system and pays it; the attributes a lookup
+  returns are trusted for a second (fstat after open, reads), and lookups of directories are free: a Lustre
+  client holds locks on both. So a stat costs one operation, and an open-and-read of a small file two (the file's
+  lookup and the open), about what Lustre pays in RPCs (open and close, or a size glimpse).
 - every read request sleeps ``read_ms`` (an object-server round trip), then waits for its share of the bandwidth
   cap: one token bucket (no burst) shared by all readers, so B bytes take at least B / ``bytes_per_s``.
   The kernel splits reads into requests of at most 128 KiB (FUSE's default max_pages), so ``read_ms`` is a cost
@@ -32,6 +35,7 @@ import json
 import os
 import resource
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -105,14 +109,19 @@ def build_operations(source: Path, slowness: Slowness):
 
         def init_with_config(self, conn_info, config) -> None:
             if config is not None:
-                # Every stat and lookup must reach us to pay its latency; the page cache stays across opens.
-                config.entry_timeout = config.attr_timeout = config.negative_timeout = 0.0
-                config.kernel_cache = 1
+                # Every path lookup (so every stat and open by name) reaches us. The attributes it returns are
+                # then trusted for a second, so fstat on the open file and the reads that follow do not come back
+                # (with timeout 0, each read syscall would also ask for them: three more operations per file).
+                config.entry_timeout = config.negative_timeout = 0.0
+                config.attr_timeout = 1.0
+                config.kernel_cache = 1  # the page cache stays across opens, as a Lustre client's does
 
         def getattr(self, path: str, fh=None) -> dict:
             if path == STATS:
                 return {"st_mode": 0o100444, "st_nlink": 1, "st_size": 4096}
-            st = _call(os.lstat, self._meta(path))
+            st = _call(os.lstat, str(source) + path)
+            if not stat.S_ISDIR(st.st_mode):  # directories: free, see the module's docstring
+                self._meta(path)
             return {k: getattr(st, k) for k in ("st_mode", "st_nlink", "st_size", "st_uid", "st_gid", "st_ino",
                                                 "st_atime_ns", "st_mtime_ns", "st_ctime_ns")}
 
