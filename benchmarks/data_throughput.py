@@ -303,9 +303,9 @@ def median(runs: list[dict], value: Callable[[dict], float]) -> float:
 
 def table(runs: dict[tuple, list[dict]], opened: dict[str, int | None]) -> list[str]:
     """Markdown rows, one per (file system, readers, pipeline); ratios against per-file on the same two."""
-    lines = ["| fs | readers | pipeline | samples/s | vs per-file | s per epoch | CPU ms/sample | FUSE server CPU ms/sample "
+    lines = ["| fs | readers | pipeline | samples/s | range | vs per-file | s per epoch | CPU ms/sample | FUSE server CPU ms/sample "
              "| MB read from disk | MB served by FUSE | files opened | metadata ops |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for (fs, readers, name), r in runs.items():
         rate = median(r, lambda x: x["samples"] / x["seconds"])
         base = median(runs[fs, readers, "per-file"], lambda x: x["samples"] / x["seconds"])
@@ -314,11 +314,16 @@ def table(runs: dict[tuple, list[dict]], opened: dict[str, int | None]) -> list[
         fuse = bool(r[0]["server"])
         opens = server("opens") if fuse else opened.get(name) if readers == 1 else None
         lines.append(
-            f"| {fs} | {readers} | {name} | {rate:,.0f} | {rate / base:.2f}x | {median(r, lambda x: x['seconds']):.1f} "
+            f"| {fs} | {readers} | {name} | {rate:,.0f} | {_spread(r)} | {rate / base:.2f}x | {median(r, lambda x: x['seconds']):.1f} "
             f"| {per_sample('cpu_s'):.3f} | {median(r, lambda x: x['server']['cpu_s'] / x['samples'] * 1000) if fuse else 0:.3f} "
             f"| {median(r, lambda x: x['read_bytes']) / 1e6:,.0f} | {server('read_bytes') / 1e6 if fuse else 0:,.0f} "
             f"| {_count(opens)} | {_count(server('meta_ops') if fuse else None)} |")
     return lines
+
+
+def _spread(runs: list[dict]) -> str:
+    rates = [x["samples"] / x["seconds"] for x in runs]
+    return f"{min(rates):,.0f}-{max(rates):,.0f}"
 
 
 def _count(n: float | None) -> str:
