@@ -14,7 +14,8 @@ Method
 - Cold cache: before every timed pass every data file (JPEGs and shards) is evicted from the page
   cache with ``posix_fadvise(DONTNEED)``, and as root the dentry and inode caches are dropped
   (``drop_caches=2``). Not the whole page cache: that also evicts Python, torch and their libraries,
-  whose re-reading would dominate time and bytes. Passes are interleaved (a, b, c, a, b, c, ...); medians over ``--repeats``.
+  whose re-reading would dominate time and bytes. Passes are interleaved (a, b, c, a, b, c, ...); medians over
+  ``--repeats``.
 - Each pass runs in a fresh process; imports and loader construction are not timed. CPU time (user +
   system of the process and its workers) and bytes read from the block device come from ``getrusage``
   (self + reaped children) around the epoch, the workers being joined before the second reading. Files opened
@@ -292,7 +293,8 @@ def files_opened(name: str, args: argparse.Namespace, tree: Tree) -> int | None:
     cmd = ["strace", "-f", "-qq", "-e", "trace=openat", "-o", str(log), *reader_command(name, args, tree, 0, 1)]
     subprocess.run(cmd, input="go\n", capture_output=True, text=True, check=True)
     root = str(Path(args.workdir).resolve())
-    count = sum(1 for line in log.read_text().splitlines() if root in line and "ENOENT" not in line and "O_DIRECTORY" not in line)
+    count = sum(1 for line in log.read_text().splitlines()
+                if root in line and "ENOENT" not in line and "O_DIRECTORY" not in line)
     log.unlink()
     return count
 
@@ -301,23 +303,27 @@ def median(runs: list[dict], value: Callable[[dict], float]) -> float:
     return statistics.median(value(r) for r in runs)
 
 
+HEADER = ("| fs | readers | pipeline | samples/s | range | vs per-file | s per epoch | CPU ms/sample "
+          "| FUSE server CPU ms/sample | MB read from disk | MB served by FUSE | files opened | metadata ops |\n"
+          "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
 def table(runs: dict[tuple, list[dict]], opened: dict[str, int | None]) -> list[str]:
     """Markdown rows, one per (file system, readers, pipeline); ratios against per-file on the same two."""
-    lines = ["| fs | readers | pipeline | samples/s | range | vs per-file | s per epoch | CPU ms/sample | FUSE server CPU ms/sample "
-             "| MB read from disk | MB served by FUSE | files opened | metadata ops |",
-             "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [HEADER]
     for (fs, readers, name), r in runs.items():
         rate = median(r, lambda x: x["samples"] / x["seconds"])
         base = median(runs[fs, readers, "per-file"], lambda x: x["samples"] / x["seconds"])
-        per_sample = lambda key: median(r, lambda x: x[key] / x["samples"] * 1000)  # noqa: E731
-        server = lambda key: median(r, lambda x: x["server"][key])  # noqa: E731
-        fuse = bool(r[0]["server"])
+        fuse = bool(r[0]["server"])  # the local rows have no server counters
+        server = lambda key: median(r, lambda x: x["server"][key]) if fuse else 0  # noqa: E731
         opens = server("opens") if fuse else opened.get(name) if readers == 1 else None
-        lines.append(
-            f"| {fs} | {readers} | {name} | {rate:,.0f} | {_spread(r)} | {rate / base:.2f}x | {median(r, lambda x: x['seconds']):.1f} "
-            f"| {per_sample('cpu_s'):.3f} | {median(r, lambda x: x['server']['cpu_s'] / x['samples'] * 1000) if fuse else 0:.3f} "
-            f"| {median(r, lambda x: x['read_bytes']) / 1e6:,.0f} | {server('read_bytes') / 1e6 if fuse else 0:,.0f} "
-            f"| {_count(opens)} | {_count(server('meta_ops') if fuse else None)} |")
+        cells = [fs, readers, name, f"{rate:,.0f}", _spread(r), f"{rate / base:.2f}x",
+                 f"{median(r, lambda x: x['seconds']):.1f}",
+                 f"{median(r, lambda x: x['cpu_s'] / x['samples'] * 1000):.3f}",
+                 f"{median(r, lambda x: x['server'].get('cpu_s', 0) / x['samples'] * 1000):.3f}",
+                 f"{median(r, lambda x: x['read_bytes']) / 1e6:,.0f}", f"{server('read_bytes') / 1e6:,.0f}",
+                 _count(opens), _count(server("meta_ops") if fuse else None)]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return lines
 
 

@@ -16,14 +16,17 @@ What it models (typical of Lustre or GPFS under load, e.g. 0.5 ms a metadata ope
   cap: one token bucket (no burst) shared by all readers, so B bytes take at least B / ``bytes_per_s``.
   The kernel splits reads into requests of at most 128 KiB (FUSE's default max_pages), so ``read_ms`` is a cost
   per 128 KiB of sequential reading, and per file for files smaller than that.
-- requests run in libfuse's multithreaded loop: one slow request does not hold up the others.
+- requests run in libfuse's multithreaded loop: one slow request does not hold up the others. Their Python
+  parts hold the GIL, though, so the server uses about one core at most (0.75-1 ms of CPU per small file on the
+  project's 2-core VM, which caps a per-file loader near 1,000 files/s however many readers).
 What it does not model: the kernel page cache is kept across opens (as a Lustre client's is), so eviction is the
-reader's business (``posix_fadvise(DONTNEED)`` on the mounted files works); the data itself comes from the local
+reader's business (``posix_fadvise(DONTNEED)`` on the mounted files works, and so does dropping the inodes,
+``drop_caches=2``, which takes their pages with them); the data itself comes from the local
 disk underneath, whose own time adds to the modelled one; no contention with other clients beyond the shared cap;
 Python's own cost per request (measure it with all three settings at 0).
 
-Counters (metadata operations, opens, read requests, bytes, and this process's CPU and disk reads) are readable
-as JSON from the hidden file ``MOUNTPOINT/.slowfs-stats`` (not listed in its directory).
+Counters (metadata operations that paid the latency, opens, read requests, bytes, and this process's CPU and
+disk reads) are readable as JSON from the hidden file ``MOUNTPOINT/.slowfs-stats`` (not listed in its directory).
 """
 
 from __future__ import annotations
@@ -59,7 +62,8 @@ class Slowness:
     """Bandwidth cap shared by all reads; 0: none."""
 
     def args(self) -> list[str]:
-        return ["--meta-ms", str(self.meta_ms), "--read-ms", str(self.read_ms), "--mb-per-s", str(self.bytes_per_s / 1e6)]
+        return ["--meta-ms", str(self.meta_ms), "--read-ms", str(self.read_ms),
+                "--mb-per-s", str(self.bytes_per_s / 1e6)]
 
 
 class Bandwidth:
@@ -241,7 +245,8 @@ def _wait_for_mount(mountpoint: Path, child: subprocess.Popen, stderr, timeout_s
     while not is_mounted(mountpoint):
         if child.poll() is not None or time.monotonic() > deadline:
             stderr.seek(0)
-            state = f"exited with {child.returncode}" if child.returncode is not None else f"not mounted after {timeout_s} s"
+            state = (f"exited with {child.returncode}" if child.returncode is not None
+                     else f"not mounted after {timeout_s} s")
             raise RuntimeError(f"slowfs at {mountpoint} {state}; its stderr:\n{stderr.read().decode()[-3000:]}\n"
                                f"HINT: check that `python {__file__} SOURCE MOUNTPOINT` works by hand.")
         time.sleep(0.05)
@@ -266,7 +271,8 @@ def main() -> None:
     p.add_argument("mountpoint", type=Path)
     p.add_argument("--meta-ms", type=float, default=0.5, help="sleep per metadata operation (default 0.5)")
     p.add_argument("--read-ms", type=float, default=0.0, help="sleep per read request of <= 128 KiB (default 0)")
-    p.add_argument("--mb-per-s", type=float, default=1000.0, help="bandwidth cap over all reads, 0: none (default 1000)")
+    p.add_argument("--mb-per-s", type=float, default=1000.0,
+                   help="bandwidth cap over all reads, 0: none (default 1000)")
     args = p.parse_args()
     if not args.source.is_dir():
         raise SystemExit(f"{args.source} is not a directory: give the directory to serve slowly")
