@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 # (not PIP_QUIET: pip reads that name from the environment itself)
 PIPFLAGS ?= -q
 
-.PHONY: setup slurm-deps demo test test-unit test-dist test-slurm clean-runs gpu-check
+.PHONY: setup slurm-deps fuse-deps demo test test-unit test-dist test-slurm clean-runs gpu-check
 
 setup: $(VENV)/.installed
 
@@ -29,10 +29,18 @@ slurm-deps:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(SLURM_PKGS) > /dev/null; \
 	fi
 
-test: setup slurm-deps
+# The slow FUSE file system of tests/unit/test_slowfs.py and benchmarks/data_throughput.py --fs slow needs libfuse 3
+# and fusermount3; as root, install Debian's fuse3 if missing. Without root or /dev/fuse those tests are skipped.
+fuse-deps:
+	@if [ "$$(id -u)" = 0 ] && ! command -v fusermount3 > /dev/null 2>&1; then \
+	  echo "installing fuse3 for the slow-file-system tests"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends fuse3 > /dev/null; \
+	fi
+
+test: setup slurm-deps fuse-deps
 	$(PY) -m pytest
 
-test-unit: setup
+test-unit: setup fuse-deps
 	$(PY) -m pytest tests/unit
 
 test-dist: setup
