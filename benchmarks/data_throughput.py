@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
+import importlib.util
 import json
 import os
 import resource
@@ -50,6 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+PASS_TIMEOUT_S = 3600  # one pass of one reader; a hung reader fails the benchmark, not the CI job
 PIPELINES = ("per-file", "hpctrain", "webdataset")
 FILE_SYSTEMS = ("local", "fuse", "slow")
 SIZE = 64
@@ -151,7 +154,8 @@ def one_pass(args: argparse.Namespace) -> None:
     _decode(next(files.glob("class_0/*.jpg")).read_bytes())
     batches = loader(args.run, files, shards, args.workers, args.batch, args.rank, args.readers)
     print("ready", flush=True)
-    sys.stdin.readline()  # the driver's go: all readers start together, as a node's ranks at their first step
+    if sys.stdin.readline() != "go\n":  # the driver's go: all readers start together, as a node's ranks at their
+        raise SystemExit(1)               # first step; end of input instead: the driver failed, read nothing
     before = _usage()
     started = time.time()  # wall clock: the driver compares the readers' start and end times
     count, images = 0, None  # a reader whose share is empty (fewer shards than readers) gets no batch
@@ -218,11 +222,15 @@ def _remove_empty(folder: Path) -> None:
         folder.rmdir()
 
 
+@functools.lru_cache(maxsize=1)
 def _slowfs():
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is no package: slowfs.py is beside us
-    import slowfs
-
-    return slowfs
+    """benchmarks/slowfs.py (benchmarks/ is no package), loaded by path: not by putting benchmarks/ on sys.path,
+    where its checkpoint.py, memory.py, ... would shadow modules of those names for the rest of the process."""
+    spec = importlib.util.spec_from_file_location("slowfs", Path(__file__).resolve().parent / "slowfs.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["slowfs"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 def drop_caches(paths: list[Path]) -> str:
@@ -262,10 +270,15 @@ def timed(name: str, args: argparse.Namespace, tree: Tree, readers: int, all_fil
             if proc.stdout.readline().strip() != "ready":
                 _fail(name, procs, log)
         before = tree.counters()
-        for proc in procs:
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-        outs = [proc.communicate()[0] for proc in procs]
+        try:
+            for proc in procs:
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+            outs = [proc.communicate(timeout=PASS_TIMEOUT_S)[0] for proc in procs]
+        except BaseException:
+            for proc in procs:  # no reader outlives a failed pass (Popen's exit would wait for it without a limit)
+                proc.kill()
+            raise
         after = tree.counters()
         for proc, log in zip(procs, logs):
             if proc.returncode != 0:
@@ -364,7 +377,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--files", help=argparse.SUPPRESS)
     p.add_argument("--shards", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    return p.parse_args()
+    args = p.parse_args()
+    if min(args.readers) < 1:
+        p.error(f"--readers {','.join(map(str, args.readers))}: each count must be at least 1")
+    return args
 
 
 def main() -> None:

@@ -34,8 +34,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import functools
 import json
 import os
+import re
 import resource
 import shutil
 import stat
@@ -55,7 +57,8 @@ STATS_FH = 2**63  # no real descriptor; libfuse keeps handles as unsigned 64-bit
 @dataclass(frozen=True, kw_only=True)
 class Slowness:
     meta_ms: float = 0.5
-    """Sleep of every metadata operation (getattr/lookup, open, opendir, readdir, access, statfs)."""
+    """Sleep of every metadata operation that reaches the server (a file's lookup, open, opendir, readdir, access,
+    statfs); directory lookups and attributes returned less than a second ago are free (see the module docstring)."""
     read_ms: float = 0.0
     """Sleep of every read request (at most 128 KiB each)."""
     bytes_per_s: float = 0.0
@@ -85,9 +88,14 @@ class Bandwidth:
 
 
 def _fuse():
-    """mfusepy, imported late: without libfuse its import raises, and the benchmarks must still run locally."""
+    """mfusepy, imported late: without libfuse its import raises, and the benchmarks must still run locally. libfuse
+    3 explicitly: mfusepy tries libfuse 2 first where both are installed, and 2 has no init_with_config (the entry
+    cache would stay on) nor max_threads."""
+    os.environ.setdefault("FUSE_LIBRARY_NAME", "fuse3")
     import mfusepy
 
+    if getattr(mfusepy, "fuse_version_major", 3) != 3:
+        raise ImportError(f"mfusepy loaded libfuse {mfusepy.fuse_version_major}, slowfs needs libfuse 3")
     return mfusepy
 
 
@@ -212,20 +220,32 @@ def unavailable() -> str | None:
         _fuse()
     except (ImportError, OSError) as e:
         return f"mfusepy cannot load libfuse ({e}); pip install mfusepy, apt-get install fuse3"
-    return None
+    return _trial_mount()
+
+
+@functools.lru_cache(maxsize=1)
+def _trial_mount() -> str | None:
+    """Mount an empty folder once: a container without CAP_SYS_ADMIN, AppArmor or an old libfuse pass the checks
+    above and fail only here; then the tests skip with the reason instead of failing."""
+    with tempfile.TemporaryDirectory(prefix="slowfs-trial-") as folder:
+        (Path(folder) / "src").mkdir()
+        try:
+            with mounted(Path(folder) / "src", Path(folder) / "mnt", Slowness(meta_ms=0, bytes_per_s=0), timeout_s=15):
+                return None
+        except RuntimeError as e:
+            return f"a trial mount failed: {str(e).strip().splitlines()[-2:]}"
 
 
 @contextlib.contextmanager
 def mounted(source: Path, mountpoint: Path, slowness: Slowness, timeout_s: float = 20.0) -> Iterator[Path]:
     """``source`` served slowly at ``mountpoint`` by a child process for the block; unmounted after it, and the
-    child ended, also when the block raises. The child dies with us (PR_SET_PDEATHSIG), so even a killed benchmark
-    leaves no server behind (the mount then reads ENOTCONN until ``fusermount3 -u``)."""
-    from hpctrain.dist.launcher import die_with_parent
-
+    child ended, also when the block raises. The child dies with us (PR_SET_PDEATHSIG, set in the child's main:
+    not between fork and exec, where loading libc could deadlock on a lock another thread of ours held), so even
+    a killed benchmark leaves no server behind (the mount then reads ENOTCONN until ``fusermount3 -u``)."""
     mountpoint.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryFile() as stderr:
-        cmd = [sys.executable, __file__, str(source), str(mountpoint), *slowness.args()]
-        child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr, preexec_fn=die_with_parent)
+        cmd = [sys.executable, __file__, str(source), str(mountpoint), *slowness.args(), "--parent", str(os.getpid())]
+        child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr)
         try:
             _wait_for_mount(mountpoint, child, stderr, timeout_s)
             yield mountpoint
@@ -236,8 +256,12 @@ def mounted(source: Path, mountpoint: Path, slowness: Slowness, timeout_s: float
 def is_mounted(mountpoint: Path) -> bool:
     """From the mount table, not os.path.ismount: the mount of a crashed server fails every stat (ENOTCONN)."""
     target = os.path.realpath(mountpoint)
-    with open("/proc/self/mounts") as table:
-        return any(line.split()[1] == target for line in table)
+    with open("/proc/self/mounts") as table:  # spaces and the like come octal-escaped: \040
+        return any(_unescape(line.split()[1]) == target for line in table)
+
+
+def _unescape(field: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
 def _wait_for_mount(mountpoint: Path, child: subprocess.Popen, stderr, timeout_s: float) -> None:
@@ -254,15 +278,26 @@ def _wait_for_mount(mountpoint: Path, child: subprocess.Popen, stderr, timeout_s
 
 def _unmount(mountpoint: Path, child: subprocess.Popen) -> None:
     if is_mounted(mountpoint):
-        done = subprocess.run(["fusermount3", "-u", str(mountpoint)], capture_output=True, check=False)
-        if done.returncode != 0:  # busy (a reader still has a file open): detach it from the tree now
-            subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True, check=False)
+        done = _fusermount("-u", mountpoint)
+        if done != 0:  # busy (a reader still has a file open): detach it from the tree now
+            _fusermount("-u", "-z", mountpoint)
             child.terminate()  # a detached server would serve the open files until they close; they then fail
+    else:
+        child.terminate()  # not (yet) mounted, e.g. a mount timed out: libfuse unmounts on SIGTERM if it got there
     try:
         child.wait(timeout=10)
     except subprocess.TimeoutExpired:
         child.kill()
         child.wait()
+    if is_mounted(mountpoint):  # the server is gone, its mount must not stay behind (every access: ENOTCONN)
+        _fusermount("-u", "-z", mountpoint)
+
+
+def _fusermount(*args) -> int:
+    try:
+        return subprocess.run(["fusermount3", *map(str, args)], capture_output=True, check=False, timeout=30).returncode
+    except subprocess.TimeoutExpired:
+        return 1
 
 
 def main() -> None:
@@ -273,7 +308,14 @@ def main() -> None:
     p.add_argument("--read-ms", type=float, default=0.0, help="sleep per read request of <= 128 KiB (default 0)")
     p.add_argument("--mb-per-s", type=float, default=1000.0,
                    help="bandwidth cap over all reads, 0: none (default 1000)")
+    p.add_argument("--parent", type=int, default=0, help=argparse.SUPPRESS)  # mounted(): die with this process
     args = p.parse_args()
+    if args.parent:
+        from hpctrain.dist.launcher import die_with_parent
+
+        die_with_parent()
+        if os.getppid() != args.parent:  # it died before the line above
+            raise SystemExit(0)
     if not args.source.is_dir():
         raise SystemExit(f"{args.source} is not a directory: give the directory to serve slowly")
     serve(args.source, args.mountpoint, Slowness(meta_ms=args.meta_ms, read_ms=args.read_ms,
