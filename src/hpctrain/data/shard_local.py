@@ -23,6 +23,8 @@ fixed world size and changes with it (see :func:`world_size_change_warning`).
 from __future__ import annotations
 
 import heapq
+import itertools
+import logging
 from typing import NamedTuple, Sequence
 
 import torch
@@ -53,6 +55,16 @@ def deal_shards(sizes: Sequence[int], world_size: int, g: torch.Generator | None
     return owned
 
 
+def shard_starts(sizes: Sequence[int]) -> list[int]:
+    """Index of each shard's first sample in the concatenated shards, and the total at the end."""
+    return [0, *itertools.accumulate(int(n) for n in sizes)]
+
+
+def shard_stream(starts: Sequence[int], shards: Sequence[int]) -> torch.Tensor:
+    """The samples of ``shards``, in that order (``starts`` from shard_starts)."""
+    return torch.cat([torch.arange(starts[s], starts[s + 1]) for s in shards] or [torch.arange(0)])
+
+
 def window_shuffle(stream: torch.Tensor, window: int, g: torch.Generator) -> torch.Tensor:
     """Shuffle within windows of ``window`` consecutive samples; the first window's length is drawn too, so window
     boundaries move from epoch to epoch (a deterministic shuffle buffer)."""
@@ -70,13 +82,11 @@ def shard_local_order(sizes: Sequence[int], seed: int, epoch: int, window: int, 
                       shuffle: bool = True) -> torch.Tensor:
     """The epoch's global order (indices into the concatenated shards) under data.order=shard_local."""
     world, per_rank = layout
-    starts = [0]
-    for n in sizes:
-        starts.append(starts[-1] + int(n))
+    starts = shard_starts(sizes)
     g = generator(SALT_SHARD_LOCAL, DEAL, seed, epoch) if shuffle else None
     streams = []
     for rank, shards in enumerate(deal_shards(sizes, world, g)):
-        stream = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in shards] or [torch.arange(0)])
+        stream = shard_stream(starts, shards)
         if shuffle:
             stream = window_shuffle(stream, window, generator(SALT_SHARD_LOCAL, WINDOWS, seed, epoch, rank))
         streams.append(stream)
@@ -131,8 +141,6 @@ def borrowed_share(shards: int, ranks: int) -> float:
 def shard_local_summary(sizes: Sequence[int], world_size: int) -> tuple[int, str]:
     """(logging level, text) for the start of a shard_local run: how the shards are dealt, what equal step counts
     cost, and a warning when so much is borrowed that reads are no longer local."""
-    import logging
-
     shards, samples = len(sizes), sum(int(n) for n in sizes)
     share = borrowed_share(shards, world_size)
     # Dealt to the least-loaded rank, loads differ by at most the largest shard: so does any rank's shortfall.

@@ -43,7 +43,7 @@ import torch
 from torch.utils.data import Dataset
 
 from hpctrain.data.seeding import SALT_ORDER, generator
-from hpctrain.data.shard_local import RankLayout, shard_local_order, window_shuffle
+from hpctrain.data.shard_local import RankLayout, shard_local_order, shard_starts, shard_stream, window_shuffle
 from hpctrain.data.shard_index import ShardIndex, load_shard_index, node_local_folder
 from hpctrain.data.shards import INDEX, MANIFEST, WRITING
 from hpctrain.data.staging import stage_split
@@ -67,11 +67,7 @@ def shard_epoch_order(sizes: Sequence[int], seed: int, epoch: int, window: int, 
     if not shuffle:
         return torch.arange(total)
     g = generator(SALT_ORDER, seed, epoch)
-    starts = [0]
-    for n in sizes:
-        starts.append(starts[-1] + int(n))
-    stream = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in torch.randperm(len(sizes), generator=g).tolist()]
-                       or [torch.arange(0)])
+    stream = shard_stream(shard_starts(sizes), torch.randperm(len(sizes), generator=g).tolist())
     return window_shuffle(stream, window, g)
 
 
