@@ -14,7 +14,8 @@ from hpctrain.config.load import load_config
 from hpctrain.config.validate import ConfigError
 from hpctrain.experiments import resolve_experiment
 from hpctrain.slurm import job
-from hpctrain.slurm.lint import Facts, NodeFacts, gres_gpus, lint
+from hpctrain.slurm.facts import Facts, NodeFacts, gres_gpus
+from hpctrain.slurm.lint import lint
 from hpctrain.slurm.timelimit import time_limit_seconds
 
 
@@ -132,7 +133,7 @@ def test_a_stage_dir_that_cannot_hold_the_shards():
 def test_the_facts_of_the_data_are_gathered_from_the_manifests(tmp_path, monkeypatch):
     from hpctrain.data.shards import write_split
     from hpctrain.filesystems import filesystem_type
-    from hpctrain.slurm.lint import gather_facts
+    from hpctrain.slurm.facts import gather_facts
     from tests.unit.test_shards import _samples
 
     for split, n in (("train", 30), ("test", 10)):
@@ -372,7 +373,7 @@ def test_notes_are_counted_apart_from_warnings(tmp_path, capsys):
 
 
 def test_a_bare_interpreter_name_on_path_is_found():
-    from hpctrain.slurm.lint import gather_facts
+    from hpctrain.slurm.facts import gather_facts
 
     c = cfg("slurm.python=python3")
     assert "python3" in gather_facts(c, job.job_spec(c)).existing

@@ -9,7 +9,7 @@ from pathlib import Path
 from hpctrain.config.schema import RunConfig
 from hpctrain.errors import UserError
 from hpctrain.metrics.records import metric_values, read_metrics
-from hpctrain.slurm import job, lint, render
+from hpctrain.slurm import facts, job, lint, render
 
 
 def _resolve(experiment: str, config_file: str | None, overrides: tuple[str, ...]) -> RunConfig:
@@ -25,7 +25,7 @@ def render_command(experiment: str, config_file: str | None, overrides: tuple[st
 
 
 def check_findings(cfg: RunConfig, spec: render.JobSpec) -> list[lint.Finding]:
-    findings = lint.lint(cfg, spec, lint.gather_facts(cfg, spec))
+    findings = lint.lint(cfg, spec, facts.gather_facts(cfg, spec))
     for f in findings:
         print(f.format(), file=sys.stderr)
     return findings

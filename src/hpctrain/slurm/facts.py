@@ -1,0 +1,141 @@
+"""What `hpctrain slurm check` finds on this machine and in ``sinfo`` (:class:`Facts`), for the pure lint
+(:mod:`hpctrain.slurm.lint`): filesystems, paths and commands the job needs, the partition's nodes, the data's
+shards and the stage dir's room."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpctrain.config.schema import RunConfig
+from hpctrain.data.shards import MANIFEST
+from hpctrain.data.staging import free_bytes
+from hpctrain.dist.env import expand_path, module_system_present
+from hpctrain.errors import UserError
+from hpctrain.filesystems import filesystem_type
+from hpctrain.slurm.render import JobSpec
+
+# Variables that differ between the login node and a job's nodes: a stage dir naming one cannot be measured here.
+PER_JOB_VARIABLE = re.compile(r"\$\{?(TMPDIR|SLURM_\w+|LOCAL\w*)\b")
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """One node type of the partition, from sinfo."""
+
+    cpus: int
+    gpus: int
+    memory_mb: int
+    count: int
+
+
+@dataclass(frozen=True)
+class Facts:
+    run_dir_fs: str = ""
+    """Filesystem type of the run dir (from /proc/mounts); '' if unknown."""
+    existing: frozenset[str] = frozenset()
+    """Which of the paths the job needs exist here."""
+    commands: frozenset[str] = frozenset()
+    """Which of the commands the job uses are on PATH here."""
+    module_system: bool = False
+    """Environment modules (Lmod or Tcl) are set up here."""
+    nodes: tuple[NodeFacts, ...] = field(default_factory=tuple)
+    """Node types of the partition; empty when sinfo is not available."""
+    data_dirs: tuple[str, ...] = ()
+    """The shard folders the training reads (the experiment's shard_dirs), absolute."""
+    data_fs: str = ""
+    """Filesystem type of the first of them; '' if unknown."""
+    data_bytes: int = 0
+    """Bytes of their shards, from their manifests; 0 if unknown (no manifest here)."""
+    stage_free: int = -1
+    """Free bytes in data.stage_dir as seen here; -1 where that cannot be known here (a $VARIABLE set per node or
+    job, a folder that exists only on the compute nodes)."""
+    stage_fs: str = ""
+    """Filesystem type of data.stage_dir where it exists here; '' otherwise."""
+    train_shards: int = 0
+    """Shards of the training split (the first shard folder), from its manifest; 0 if unknown."""
+    train_bytes: int = 0
+    """Their bytes."""
+
+
+def partition_nodes(partition: str) -> tuple[NodeFacts, ...]:
+    """Node types of a partition from sinfo (CPUs, GPUs from gres, memory, count); () without sinfo."""
+    if shutil.which("sinfo") is None:
+        return ()
+    args = ["sinfo", "--noheader", "--format=%c|%G|%m|%D"] + ([f"--partition={partition}"] if partition else [])
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=20)
+    except (subprocess.TimeoutExpired, OSError):
+        return ()
+    nodes = []
+    for line in proc.stdout.splitlines() if proc.returncode == 0 else []:
+        try:
+            cpus, gres, mem, count = line.strip().split("|")
+            nodes.append(NodeFacts(int(cpus), gres_gpus(gres), int(mem.rstrip("+")), int(count)))
+        except ValueError:
+            continue
+    return tuple(nodes)
+
+
+def gres_gpus(gres: str) -> int:
+    """GPUs in a gres string like 'gpu:a100:4(S:0-1),shard:8' (0 for '(null)')."""
+    total = 0
+    for item in gres.split(","):
+        item = item.split("(")[0]
+        parts = item.split(":")
+        if parts[0] == "gpu" and len(parts) >= 2 and parts[-1].isdigit():
+            total += int(parts[-1])
+    return total
+
+
+def gather_facts(cfg: RunConfig, spec: JobSpec) -> Facts:
+    s = cfg.slurm
+    paths = [p for p in (spec.python, spec.venv, s.container) if p]
+    return Facts(
+        run_dir_fs=filesystem_type(Path(spec.run_dir)),
+        # a bare name (slurm.python=python3) counts when it is on PATH here
+        existing=frozenset(p for p in paths if Path(p).exists() or ("/" not in p and shutil.which(p))),
+        commands=frozenset(c for c in (s.container_runtime,) if shutil.which(c)),
+        module_system=module_system_present(),
+        nodes=partition_nodes(s.partition),
+        **_data_facts(cfg, Path(spec.workdir)),
+    )
+
+
+def _data_facts(cfg: RunConfig, workdir: Path) -> dict:
+    """The shard folders (relative ones from the job's working directory), their size and filesystem, and the
+    stage dir's room where it can be seen from here."""
+    from hpctrain.experiments import resolve_experiment
+
+    dirs = [workdir / d for d in resolve_experiment(cfg.experiment)(cfg).shard_dirs()]
+    shards = [_manifest_shards(d) for d in dirs]  # each manifest read once
+    train = shards[0] if shards else []
+    stage = _stage_dir_here(cfg.data.stage_dir)
+    visible = stage is not None and stage.is_dir()
+    return {"data_dirs": tuple(str(d) for d in dirs), "data_fs": filesystem_type(dirs[0]) if dirs else "",
+            "data_bytes": sum(int(s["bytes"]) for split in shards for s in split),
+            "train_shards": len(train), "train_bytes": sum(int(s["bytes"]) for s in train),
+            "stage_free": free_bytes(stage) if visible else -1, "stage_fs": filesystem_type(stage) if visible else ""}
+
+
+def _stage_dir_here(stage_dir: str) -> Path | None:
+    """data.stage_dir as a path here, where that means the same folder as on the compute nodes: not when it names
+    a variable set per node and job ($TMPDIR, $SLURM_*), or one unset here."""
+    if not stage_dir or PER_JOB_VARIABLE.search(stage_dir):
+        return None
+    try:
+        return Path(expand_path(stage_dir, "data.stage_dir"))
+    except UserError:
+        return None
+
+
+def _manifest_shards(split_dir: Path) -> list[dict]:
+    try:
+        shards = json.loads((split_dir / MANIFEST).read_text())["shards"]
+        return [s for s in shards if int(s["bytes"]) >= 0]
+    except (OSError, ValueError, KeyError, TypeError):  # not here, or not a finished set: nothing to say
+        return []
