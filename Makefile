@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 # (not PIP_QUIET: pip reads that name from the environment itself)
 PIPFLAGS ?= -q
 
-.PHONY: setup slurm-deps fuse-deps demo test test-unit test-dist test-slurm clean-runs gpu-check
+.PHONY: setup slurm-deps fuse-deps demo test test-unit test-dist test-slurm test-floor clean-runs gpu-check gpu-check-quick
 
 setup: $(VENV)/.installed
 
@@ -15,6 +15,16 @@ $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install $(PIPFLAGS) $(TORCH_SPEC)
 	$(PY) -m pip install $(PIPFLAGS) -e '.[dev]'
+	touch $@
+
+# The supported floor (compat.TORCH_FLOOR, what GPU images shipped in 2026-11) in a venv of its own.
+FLOOR_VENV ?= .venv-floor
+FLOOR_TORCH_SPEC ?= torch==2.11.0 torchvision==0.26.0
+
+$(FLOOR_VENV)/.installed: pyproject.toml Makefile
+	python3 -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install $(PIPFLAGS) $(FLOOR_TORCH_SPEC)
+	$(FLOOR_VENV)/bin/python -m pip install $(PIPFLAGS) -e '.[dev]'
 	touch $@
 
 demo: setup
@@ -40,6 +50,11 @@ fuse-deps:
 
 test: setup slurm-deps fuse-deps
 	$(PY) -m pytest
+	$(MAKE) --no-print-directory test-floor
+
+# The unit tier and the two-process smoke test on the floor torch (about 3 minutes plus its install).
+test-floor: $(FLOOR_VENV)/.installed fuse-deps
+	$(FLOOR_VENV)/bin/python -m pytest tests/unit tests/dist/test_async_resume.py
 
 test-unit: setup fuse-deps
 	$(PY) -m pytest tests/unit
@@ -57,3 +72,8 @@ GPU_CHECK_DIR ?=
 GPU_CHECK_ARGS ?=
 gpu-check: setup
 	$(PY) benchmarks/gpu_check.py $(if $(GPU_CHECK_DIR),--out '$(GPU_CHECK_DIR)') $(GPU_CHECK_ARGS)
+
+# The quick check for a short allocation (at most 8 minutes on one H100, compilation included), from the source tree
+# with the node's own torch: no venv, no network (docs/gpu.md says what to carry).
+gpu-check-quick:
+	PYTHONPATH=src:.$${PYTHONPATH:+:$$PYTHONPATH} python3 benchmarks/gpu_check.py --quick $(if $(GPU_CHECK_DIR),--out '$(GPU_CHECK_DIR)') $(GPU_CHECK_ARGS)

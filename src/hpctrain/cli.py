@@ -8,6 +8,7 @@ import sys
 from typing import NoReturn, Sequence
 
 from hpctrain import __version__
+from hpctrain.compat import check_torch
 from hpctrain.errors import UserError
 from hpctrain.process_exit import run_and_exit
 
@@ -431,6 +432,7 @@ def entry_point() -> NoReturn:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
     try:
+        check_torch()
         return args.func(args)
     except UserError as err:
         if args.debug:

@@ -30,13 +30,13 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from hpctrain.checkpoint import policy, storage
 from hpctrain.checkpoint import state_dicts as dcp_state
 from hpctrain.checkpoint.background import BackgroundWriter
 from hpctrain.checkpoint.snapshot import cpu_snapshot
 from hpctrain.checkpoint.storage import Checked
+from hpctrain.compat import CheckpointStager
 from hpctrain.dist.collectives import (
     barrier, broadcast_bytes, broadcast_object, broadcast_state, gather_objects, gather_to_main, scatter_objects,
 )
@@ -152,7 +152,7 @@ class Checkpointer:
         self.async_save = async_save
         self.strategy = strategy
         self._writer: BackgroundWriter[SaveOutcome] = BackgroundWriter()
-        self._stager: Any = None
+        self._stager: CheckpointStager | None = None
         # Made here, when every rank builds its Checkpointer at the same point (new_group is a collective).
         self._async_group = None
         if async_save and runtime.distributed:
@@ -233,12 +233,7 @@ class Checkpointer:
 
     def _save_in_background(self, job: _Save, tensors: dict[str, Any], started: float) -> None:
         if self._stager is None:
-            cuda = self.runtime.device.type == "cuda"
-            # DCP's stager: a CPU copy of every tensor (DTensor shards included) into buffers it keeps from one save
-            # to the next; pinned, with non-blocking copies and one synchronisation, on GPUs (it refuses those
-            # options without CUDA).
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                        use_async_staging=False, use_non_blocking_copy=cuda))
+            self._stager = CheckpointStager(cuda=self.runtime.device.type == "cuda")
         staged, error = _local(lambda: self._stager.stage(tensors))  # the whole pause: a copy, then training goes on
         paused = time.perf_counter() - started
         # Whether every rank has its copy: a rank without one would leave the others' writes waiting in DCP.

@@ -1,0 +1,104 @@
+"""Everything hpctrain does differently by torch version, in one place.
+
+Cluster users bring hpctrain to the torch their site ships (GPU images had 2.11 in 2026-11), so the supported
+range is a floor (TORCH_FLOOR, stated in pyproject and the README and tested in CI) up to the pinned build of the
+Makefile. Code elsewhere asks this module instead of testing versions or attributes itself, so the next torch that
+moves an API changes one file; each entry says which versions differ and why.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import re
+from typing import Any
+
+from hpctrain.errors import UserError
+
+TORCH_FLOOR = (2, 11)
+"""The oldest torch hpctrain supports and tests (CI runs the unit tier and a multi-process smoke test on it)."""
+UPGRADE = "pip install 'torch>=2.11' (with the matching torchvision), or use a site module/image that provides it"
+
+
+def parse_version(text: str) -> tuple[int, int]:
+    """(major, minor) of a torch version string: '2.11.0+cu130' -> (2, 11); '2.14.0a0+git123' -> (2, 14)."""
+    found = re.match(r"(\d+)\.(\d+)", text)
+    if not found:
+        raise ValueError(f"not a torch version: {text!r}")
+    return int(found.group(1)), int(found.group(2))
+
+
+def installed_torch() -> str:
+    """torch's version without importing torch (seconds), so the CLI can check it before any command."""
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:  # torch on sys.path without its metadata (a bare copy)
+        import torch
+
+        return torch.__version__
+
+
+TORCH = parse_version(installed_torch())
+
+
+def check_torch(version: str | None = None) -> None:
+    """Refuse a torch below the floor at start-up, with what to upgrade, instead of an AttributeError mid-run."""
+    version = version or installed_torch()
+    if parse_version(version) < TORCH_FLOOR:
+        raise UserError(f"hpctrain needs torch >= {TORCH_FLOOR[0]}.{TORCH_FLOOR[1]}; this environment has torch "
+                        f"{version}", hint=UPGRADE)
+
+
+# ---- process groups ------------------------------------------------------------------------------------------
+
+def gloo_group(connect_timeout_s: float, timeout_s: float) -> Any:
+    """A new gloo group over all ranks whose collectives time out after timeout_s. Where torch can change a group's
+    timeout after it is made (dist.set_timeout, torch >= 2.14), connecting gets the shorter connect_timeout_s: a node
+    whose hostname resolves to an address the others cannot reach fails at start-up, not after timeout_s. Older
+    torch connects under timeout_s."""
+    import torch.distributed as dist
+
+    if not hasattr(dist, "set_timeout"):
+        return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=connect_timeout_s))
+    dist.set_timeout(datetime.timedelta(seconds=timeout_s), group)
+    return group
+
+
+# ---- checkpoint staging --------------------------------------------------------------------------------------
+
+# torch 2.11 and 2.12: DefaultStager._stage ends with self._state_dict_stager.close(), which clears the stager's
+# deepcopy dispatch table (and its storage cache). The next stage() of the same DefaultStager then finds no copier
+# for dict, falls back to __reduce_ex__, reaches the `dict` class itself and looks up `type` in the emptied table:
+# KeyError: <class 'type'>. So every second asynchronous save failed there, on CPUs and GPUs alike (on the first
+# GPU run: the digits demo's step-200 save, after the step-100 one). torch 2.13 dropped that close() from _stage.
+STAGER_SINGLE_USE = TORCH < (2, 13)
+
+
+class CheckpointStager:
+    """DCP's DefaultStager, usable for every save of a run on every supported torch: copies a state dict of tensors
+    (DTensor shards included) to CPU memory; pinned, with non-blocking copies and one synchronisation, on GPUs. It
+    keeps its CPU buffers from one save to the next where torch allows (>= 2.13); on torch whose stager is single-use
+    it makes a fresh one per save (the pinned pages come back from torch's caching host allocator)."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self._stager: Any = None
+
+    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        if self._stager is None or STAGER_SINGLE_USE:
+            self.close()
+            self._stager = self._new()
+        return self._stager.stage(state)
+
+    def close(self) -> None:
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+    def _new(self) -> Any:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        # pinned memory and non-blocking copies need CUDA (the stager refuses them without an accelerator)
+        return DefaultStager(StagingOptions(use_pinned_memory=self.cuda, use_shared_memory=False,
+                                            use_async_staging=False, use_non_blocking_copy=self.cuda))

@@ -1,0 +1,32 @@
+"""Two processes (torchrun, gloo) with an asynchronous save every 10 steps, then a resume: every periodic save lands
+and the resumed run continues the same losses as one that never stopped. The multi-process smoke test that CI also
+runs on the floor torch (make test-floor), where the version-dependent paths differ (compat.py: the checkpoint
+stager, the control group's timeouts, the rendezvous store the ranks compare GPUs through)."""
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import read_jsonl, run_hpctrain, train_losses
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+
+COMMON = ["--nproc-per-node", "2", "log.plots=false", "log.tensorboard=false", "ckpt.every_steps=10",
+          "ckpt.async_save=true", "ckpt.keep_last=10", "train.max_steps=40", "log.every_steps=5"]
+
+
+def test_two_processes_save_asynchronously_at_every_interval_and_resume_the_same_run(tmp_path: Path):
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    one = run_hpctrain(["train", "digits", f"run.dir={whole}", *COMMON], 200)
+    assert one.returncode == 0, one.output
+    assert sorted(p.name for p in (whole / "checkpoints").glob("step_*")) == [
+        f"step_{s:08d}" for s in (10, 20, 30, 40)], one.output
+
+    first = run_hpctrain(["train", "digits", f"run.dir={split}", *COMMON, "train.stop_at_step=25"], 200)
+    assert first.returncode == 0, first.output
+    second = run_hpctrain(["train", "digits", f"run.dir={split}", *COMMON], 200)
+    assert second.returncode == 0, second.output
+    assert "resumed from" in second.stderr and "at step 25" in second.stderr, second.output
+    assert train_losses(split) == train_losses(whole)  # gloo on CPU: exact (a log window ends at the stop step)
+    val = [r for r in read_jsonl(split / "metrics.jsonl") if r["split"] == "val"]
+    assert val and val[-1]["step"] == 40
