@@ -113,28 +113,74 @@ def test_compiled_ddp_is_compile_around_ddp(one_process_group, monkeypatch):
     assert torch._dynamo.config.optimize_ddp  # the graph split at bucket boundaries is on
 
 
-def test_processes_sharing_the_nodes_one_gpu_use_gloo_not_nccl(gpus, monkeypatch):
-    """NCCL refuses two ranks on one device ("Duplicate GPU detected"); srun's per-task binding (CUDA_VISIBLE_DEVICES
-    set for each task) gives each its own GPU, which then is its cuda:0. torchrun's processes share one environment,
-    so a CUDA_VISIBLE_DEVICES there (Slurm's for a one-GPU job, or a user's) is the same GPU for all of them."""
-    import dataclasses
+def _node_launch(node: int, local_rank: int, local_world: int, nodes: int) -> LaunchInfo:
+    return LaunchInfo(rank=node * local_world + local_rank, world_size=nodes * local_world, local_rank=local_rank,
+                      local_world_size=local_world, node_rank=node, num_nodes=nodes, master_addr="127.0.0.1",
+                      master_port=0, hostname=f"n{node}", job_id="", launcher="srun")
 
-    from hpctrain.dist.runtime import choose_backend, shares_one_gpu
 
-    gpus(1)
-    cuda0 = torch.device("cuda", 0)
-    by_srun = launch(1, 2)
-    by_torchrun = dataclasses.replace(by_srun, launcher="torchrun")
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert shares_one_gpu(by_srun, cuda0) and shares_one_gpu(by_torchrun, cuda0)
-    assert choose_backend("auto", True, shared_gpu=True) == "gloo"
-    with pytest.raises(UserError, match="NCCL refuses two ranks on one device"):
-        choose_backend("nccl", True, shared_gpu=True)
-    assert not shares_one_gpu(launch(0, 1), cuda0)  # one process: nothing shared
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    assert not shares_one_gpu(by_srun, cuda0)  # srun bound a GPU to this task
-    assert shares_one_gpu(by_torchrun, cuda0)  # salloc --gres=gpu:1; hpctrain train --nproc-per-node 2
-    assert choose_backend("auto", True, shared_gpu=False) == "nccl"
+def _exchange_on_threads(uuids: dict[tuple[int, int], str], nodes: int, local_world: int, monkeypatch) -> list:
+    """Every (node, local rank) runs shared_gpus on its own thread against one in-memory store, as the ranks of a
+    job do against the rendezvous store; returns each rank's answer."""
+    import threading
+
+    from hpctrain.dist import gpu_identity
+
+    mine = threading.local()
+    monkeypatch.setattr(gpu_identity, "device_uuid", lambda device: mine.uuid)
+    store = torch.distributed.HashStore()
+    answers: dict[tuple[int, int], list[str]] = {}
+
+    def rank(node: int, local_rank: int) -> None:
+        mine.uuid = uuids[node, local_rank]
+        answers[node, local_rank] = gpu_identity.shared_gpus(
+            store, _node_launch(node, local_rank, local_world, nodes), torch.device("cuda", 0), timeout_s=30)
+
+    threads = [threading.Thread(target=rank, args=key) for key in uuids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(answers) == len(uuids), "a rank did not finish its exchange"
+    return [answers[key] for key in sorted(answers)]
+
+
+def test_ranks_of_a_node_sharing_a_gpu_are_found_through_the_store_by_every_rank(monkeypatch):
+    """Decided from the GPUs' UUIDs, not from CUDA_VISIBLE_DEVICES (Slurm sets 0 in every task of a one-GPU node,
+    bound or not): node n0's two tasks see the same GPU, n1's each their own. Every rank of both nodes gets the same
+    verdict, so all choose the same backend."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    uuids = {(0, 0): "GPU-aaaa1111", (0, 1): "GPU-aaaa1111", (1, 0): "GPU-bbbb0000", (1, 1): "GPU-bbbb1111"}
+    answers = _exchange_on_threads(uuids, nodes=2, local_world=2, monkeypatch=monkeypatch)
+    expected = ["on node n0, local ranks 0, 1 use the same GPU (GPU-aaaa1111) (CUDA_VISIBLE_DEVICES=0 there)"]
+    assert answers == [expected] * 4
+
+
+def test_ranks_with_a_gpu_each_share_nothing_even_when_each_sees_it_as_cuda_0(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # srun --gpus-per-task=1: every task's one GPU is its cuda:0
+    uuids = {(0, i): f"GPU-{i}{i}{i}" for i in range(4)}
+    assert _exchange_on_threads(uuids, nodes=1, local_world=4, monkeypatch=monkeypatch) == [[]] * 4
+
+
+def test_on_cpus_nothing_is_exchanged():
+    from hpctrain.dist.gpu_identity import shared_gpus
+
+    assert shared_gpus(None, _node_launch(0, 0, 2, 1), torch.device("cpu"), timeout_s=1) == []
+
+
+def test_the_backend_follows_what_the_ranks_found():
+    from hpctrain.dist.runtime import choose_backend
+
+    found = ["on node n0, local ranks 0, 1 use the same GPU (GPU-aaaa1111)"]
+    assert choose_backend("auto", True, found) == "gloo"
+    assert choose_backend("auto", True, []) == "nccl"
+    assert choose_backend("auto", False, []) == "gloo"
+    with pytest.raises(UserError) as err:
+        choose_backend("nccl", True, found)
+    assert "on node n0, local ranks 0, 1 use the same GPU (GPU-aaaa1111): NCCL refuses two ranks" in str(err.value)
+    assert "--gpus-per-task=1" in err.value.hint and "dist.backend=auto" in err.value.hint
+    with pytest.raises(UserError, match="needs CUDA GPUs"):
+        choose_backend("nccl", False, [])
 
 
 def test_gloo_gets_one_exact_interface_from_nccls_prefix_rules():

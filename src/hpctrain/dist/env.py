@@ -283,12 +283,6 @@ def _source_address(host: str) -> str:
         return ""
 
 
-def gpus_bound_per_task(environ: Mapping[str, str] | None = None) -> bool:
-    """CUDA_VISIBLE_DEVICES is set: whoever started this process chose its GPUs (Slurm's per-task binding sets
-    it for each task). Unset, every process of a node sees the same devices."""
-    return "CUDA_VISIBLE_DEVICES" in (os.environ if environ is None else environ)
-
-
 def under_hpctrain_agent(environ: Mapping[str, str] | None = None) -> bool:
     """True in workers started by hpctrain's torchrun wrapper, which reports their failures itself."""
     return (os.environ if environ is None else environ).get(UNDER_AGENT) == "1"

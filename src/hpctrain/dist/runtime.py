@@ -8,13 +8,15 @@ import datetime
 import logging
 import os
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
+from hpctrain import compat
 from hpctrain.config.schema import DistSection
-from hpctrain.dist.env import LaunchInfo, detect_launch, gloo_ifname_from_nccl, gpus_bound_per_task
+from hpctrain.dist.env import LaunchInfo, detect_launch, gloo_ifname_from_nccl
+from hpctrain.dist.gpu_identity import shared_gpus
 from hpctrain.errors import UserError, raised_on_every_rank
 
 log = logging.getLogger(__name__)
@@ -42,32 +44,26 @@ class Runtime(LaunchInfo):
         return self.world_size > 1
 
 
-def choose_backend(requested: str, cuda: bool, shared_gpu: bool = False) -> str:
-    """shared_gpu: the node's processes all run on its one GPU, where NCCL cannot go (it refuses two ranks of a
-    communicator on one device, "Duplicate GPU detected"): auto takes gloo there, which moves CUDA tensors
-    through host memory (slow, but right for trying multi-process code on a one-GPU machine)."""
+def choose_backend(requested: str, cuda: bool, shared: Sequence[str] = ()) -> str:
+    """shared: what the ranks found about GPUs used by several of a node's processes (gpu_identity.shared_gpus), where
+    NCCL cannot go (it refuses two ranks of a communicator on one device, "Duplicate GPU detected"): auto takes gloo
+    there, which moves CUDA tensors through host memory (slow, but right for trying multi-process code on a one-GPU
+    machine)."""
     if requested == "auto":
-        return "nccl" if cuda and not shared_gpu else "gloo"
+        return "nccl" if cuda and not shared else "gloo"
     if requested == "nccl" and not cuda:
         raise UserError(
             "dist.backend='nccl' needs CUDA GPUs, and this process sees none",
             "use dist.backend=auto (gloo on CPU), or run on a GPU node.",
         )
-    if requested == "nccl" and shared_gpu:
+    if requested == "nccl" and shared:
         raise UserError(
-            "dist.backend='nccl' with several processes on this node's one GPU: NCCL refuses two ranks on one device",
-            "start one process per GPU, or use dist.backend=auto (gloo) to run several processes on one GPU.",
+            f"dist.backend='nccl', but {'; '.join(shared)}: NCCL refuses two ranks on one device",
+            "give each process its own GPU (one process per GPU: --nproc-per-node, or srun --gpus-per-task=1 / "
+            "--gpu-bind=single:1 / slurm.gpu_bind=per_task), or use dist.backend=auto (gloo) to run several "
+            "processes on one GPU.",
         )
     return requested
-
-
-def shares_one_gpu(launch: LaunchInfo, device: torch.device) -> bool:
-    """Several processes of this node, one visible GPU, and no per-task binding: they all have the same one.
-    torchrun's processes inherit one environment (a CUDA_VISIBLE_DEVICES there, e.g. Slurm's for a one-GPU job,
-    is the same for all); only srun tasks can each be given their own GPU."""
-    if device.type != "cuda" or torch.cuda.device_count() != 1 or launch.local_world_size < 2:
-        return False
-    return launch.launcher != "srun" or not gpus_bound_per_task()
 
 
 def choose_device(launch: LaunchInfo) -> torch.device:
@@ -93,22 +89,30 @@ def init_runtime(launch: LaunchInfo, cfg: DistSection) -> Runtime:
     device = choose_device(launch)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    backend = choose_backend(cfg.backend, device.type == "cuda", shares_one_gpu(launch, device)) \
-        if launch.world_size > 1 else ""
-    if backend == "gloo" and device.type == "cuda" and launch.rank == 0:
-        log.warning("%d processes share this node's one GPU: gloo instead of NCCL (slow all-reduce)",
-                    launch.local_world_size)
-    if backend:
+    backend = ""
+    if launch.world_size > 1:
         ifname = gloo_ifname_from_nccl()
         if ifname:  # read by gloo when a group is made: the control group, and the training one on CPU nodes
             os.environ["GLOO_SOCKET_IFNAME"] = ifname
+        # The rendezvous init_process_group would make itself, made first: the ranks compare their GPUs through its
+        # store before the backend is chosen (gpu_identity.py).
         init_method = "env://" if launch.launcher == "torchrun" else f"tcp://{launch.master_addr}:{launch.master_port}"
+        timeout = datetime.timedelta(seconds=cfg.timeout_s)
+        store, _, _ = next(dist.rendezvous(init_method, rank=launch.rank, world_size=launch.world_size,
+                                           timeout=timeout))
+        store.set_timeout(timeout)
+        shared = shared_gpus(store, launch, device, cfg.timeout_s)
+        backend = choose_backend(cfg.backend, device.type == "cuda", shared)
+        if backend == "gloo" and shared and launch.rank == 0:
+            log.warning("%s: gloo instead of NCCL, which refuses two ranks on one GPU (all-reduce through host memory, "
+                        "slow). For NCCL give each process its own GPU (srun --gpus-per-task=1 or --gpu-bind=single:1, "
+                        "or one process per GPU)", "; ".join(shared))
         dist.init_process_group(
             backend=backend_spec(backend, cfg),
-            init_method=init_method,
+            store=dist.PrefixStore("default_pg", store),  # as init_process_group keys its own store
             rank=launch.rank,
             world_size=launch.world_size,
-            timeout=datetime.timedelta(seconds=cfg.timeout_s),
+            timeout=timeout,
             # Binding the device makes NCCL create its communicator eagerly and on the right GPU.
             device_id=device if backend == "nccl" else None,
         )
@@ -129,14 +133,9 @@ def _control_group(cfg: DistSection) -> dist.ProcessGroup:
     """A gloo group over all ranks with the control plane's longer timeout. Separate even when training runs on
     gloo: the timeouts differ, and a wait for rank 0's file system must not count against the training one.
     (Lightning and Accelerate also keep object collectives off NCCL; here the stop vote goes too.)"""
-    control = datetime.timedelta(seconds=cfg.control_timeout_s)
-    if not hasattr(dist, "set_timeout"):  # torch < 2.14
-        return dist.new_group(backend="gloo", timeout=control)
-    # Connecting (gloo's full mesh, now) gets the training timeout: a node whose hostname resolves to an address
-    # the others cannot reach (set GLOO_SOCKET_IFNAME) fails at start-up after dist.timeout_s, not an hour later.
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.timeout_s))
-    dist.set_timeout(control, group)
-    return group
+    # Connecting (gloo's full mesh) gets the training timeout where torch allows: a node whose hostname resolves to
+    # an address the others cannot reach (set GLOO_SOCKET_IFNAME) fails at start-up, not an hour later.
+    return compat.gloo_group(connect_timeout_s=cfg.timeout_s, timeout_s=cfg.control_timeout_s)
 
 
 def single_process_runtime(device: torch.device | None = None) -> Runtime:
