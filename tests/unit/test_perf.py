@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -53,6 +55,16 @@ def test_markdown_report_holds_every_table():
     assert "| stragglers | WARN | d |" in text
     assert "| 1 MiB | 900.0 | 1.165 | 1.165 |" in text
     assert "| 1 | n2 | 0.25 | 0.2000 | - | 2 |" in text
+
+
+def test_one_process_reports_no_bandwidth_table():
+    """A one-rank all-reduce moves nothing: the report says so instead of a table of memory-speed 'bandwidths'."""
+    env = {"host": "n1", "torch": "2.x", "cuda": None, "nccl": None, "gpus": [], "cpus_usable": 2, "interfaces": ["lo"]}
+    report = {"time": "T", "world_size": 1, "backend": "none", "device": "cuda", "dtype": "bfloat16", "matmul_n": 64,
+              "checks": [], "bandwidth": [], "tflops_per_rank": [700.0], "straggler": {"times_s": [0.1]},
+              "ranks": [env]}
+    text = render_markdown(report)
+    assert "algbw" not in text and "Not measured: one process" in text and "--nproc-per-node N" in text
 
 
 def probe(files: int, mean: float, mbps: float) -> dict:
@@ -215,3 +227,16 @@ def test_a_file_this_rank_cannot_open_is_skipped_not_raised(tmp_path, monkeypatc
     monkeypatch.setattr(measure.os, "open", refusing_open)
     probe = measure.data_read_probe(single_process_runtime(torch.device("cpu")), str(tmp_path), 10_000)
     assert probe.bytes_read == 200
+
+
+def test_a_one_process_preflight_measures_no_bandwidth(tmp_path, capsys):
+    from hpctrain.dist.runtime import single_process_runtime
+    from hpctrain.perf.preflight import Settings, run_preflight
+
+    code = run_preflight(single_process_runtime(torch.device("cpu")), Settings(max_bytes=1 << 12, matmul_n=64),
+                         Thresholds(), tmp_path)
+    report = json.loads((tmp_path / "preflight.json").read_text())
+    assert code == 0 and report["world_size"] == 1 and report["bandwidth"] == []
+    assert report["checks"][0] == {"name": "all-reduce bandwidth", "status": "skip",
+                                   "detail": "one process: nothing to measure"}
+    assert "Not measured: one process" in capsys.readouterr().out

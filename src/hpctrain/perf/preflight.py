@@ -79,7 +79,10 @@ def run_preflight(runtime: Runtime, settings: Settings, thresholds: Thresholds, 
     dtype = matmul_dtype(runtime.device)
     n = settings.matmul_n or (8192 if gpu else 512)
     envs = gather_objects(environment(), runtime)
-    rows = all_reduce_bandwidth(runtime, message_sizes(settings.min_bytes, settings.max_bytes))
+    # One process: an all-reduce of one rank moves no data (it returns at memory speed, 140 TB/s on an H100), so
+    # there is no bandwidth to measure or to report.
+    rows = all_reduce_bandwidth(runtime, message_sizes(settings.min_bytes, settings.max_bytes)) \
+        if runtime.world_size > 1 else []
     measured = gather_objects((matmul_tflops(runtime.device, n, dtype), device_name(runtime.device)), runtime)
     tflops, names = [t for t, _ in measured], [name for _, name in measured]
     straggler = straggler_check(runtime, n, dtype)
@@ -201,6 +204,16 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+def _bandwidth_lines(report: dict[str, Any]) -> list[str]:
+    if report["world_size"] < 2 or not report["bandwidth"]:
+        return ["Not measured: one process has no peer to exchange data with (its all-reduce only returns the input). "
+                "Run `hpctrain doctor --perf --nproc-per-node N` on a node's GPUs, or under srun across nodes."]
+    lines = ["| size | time (us) | algbw (GB/s) | busbw (GB/s) |", "|---:|---:|---:|---:|"]
+    lines += [f"| {_size(r['bytes'])} | {r['time_us']:.1f} | {r['algbw_gbps']:.3f} | {r['busbw_gbps']:.3f} |"
+              for r in report["bandwidth"]]
+    return lines + ["", "busbw = algbw x 2(n-1)/n (nccl-tests' definition); time is the slowest rank's median."]
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     """The human report (a pure function of the JSON report)."""
     lines = [f"# hpctrain pre-flight, {report['time']}", "",
@@ -208,12 +221,7 @@ def render_markdown(report: dict[str, Any]) -> str:
              f"matmul {report['matmul_n']}x{report['matmul_n']} {report['dtype']}", "", "## Checks", "",
              "| check | status | detail |", "|---|---|---|"]
     lines += [f"| {c['name']} | {c['status'].upper()} | {c['detail']} |" for c in report["checks"]]
-    lines += ["", "## All-reduce (float32, sum)", "", "| size | time (us) | algbw (GB/s) | busbw (GB/s) |",
-              "|---:|---:|---:|---:|"]
-    lines += [f"| {_size(r['bytes'])} | {r['time_us']:.1f} | {r['algbw_gbps']:.3f} | {r['busbw_gbps']:.3f} |"
-              for r in report["bandwidth"]]
-    lines += ["", "busbw = algbw x 2(n-1)/n (nccl-tests' definition); time is the slowest rank's median.", "",
-              "## Ranks", "", "| rank | host | TFLOP/s | straggler step (s) | GPUs | CPUs |", "|---:|---|---:|---:|---|---:|"]
+    lines += ["", "## All-reduce (float32, sum)", ""] + _bandwidth_lines(report) + ["", "## Ranks", "", "| rank | host | TFLOP/s | straggler step (s) | GPUs | CPUs |", "|---:|---|---:|---:|---|---:|"]
     for rank, env in enumerate(report["ranks"]):
         lines.append(f"| {rank} | {env['host']} | {report['tflops_per_rank'][rank]:.2f} | "
                      f"{report['straggler']['times_s'][rank]:.4f} | {', '.join(env['gpus']) or '-'} | {env['cpus_usable']} |")
