@@ -81,3 +81,18 @@ def test_checkpoint_of_another_experiment_is_refused_before_launch(capsys, tmp_p
     code, _, err = run(capsys, "train", "digits", f"run.dir={tmp_path / 'run'}", "--nproc-per-node", "2")
     assert code == 2 and "written by experiment 'toy', not 'digits'" in err
     assert sorted(p.name for p in ckpt.rglob("*")) == before
+
+
+def test_user_facing_text_cites_the_source_not_a_developers_folder(capsys):
+    """Users have no ../shared/seeds: `hpctrain experiments`, the reference configs, the experiments' docstrings and
+    the README name the source (the blog post and its experiment) instead."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    texts = {p: p.read_text() for p in [root / "README.md", *sorted((root / "configs").glob("*.toml")),
+                                        *sorted((root / "src" / "hpctrain" / "experiments").rglob("*.py"))]}
+    assert not [str(p) for p, text in texts.items() if "shared/seeds" in text]
+    assert main(["experiments"]) == 0
+    listing = capsys.readouterr().out
+    assert "seeds" not in listing and 'blog post "Multi-Node Distributed Training on HPC"' in listing
+    assert "Multi-Node Distributed Training on HPC" in (root / "configs" / "ddpm_cifar10.toml").read_text()

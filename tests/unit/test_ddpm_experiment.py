@@ -72,11 +72,20 @@ def test_missing_shards_say_how_to_write_them(tmp_path: Path):
     ("model.norm_groups=5", "norm_groups"),
     ("model.image_size=17", "divisible"),
     ("model.sample_steps=1000", "sample_steps"),
-    ("model.strip_samples=100", "strip_samples"),
+    ("model.strip_samples=-1", "strip_samples"),
 ])
 def test_bad_options_are_refused(override: str, message: str):
     with pytest.raises(UserError, match=message):
         experiment(DDPMCifar10, TINY, override)
+
+
+def test_fewer_samples_than_strip_rows_is_no_error():
+    """`hpctrain sample RUN --n 2` sets model.samples=2 only: the strip (more rows by default) shows the 2 drawn."""
+    from hpctrain.experiments.ddpm.sampling import strip_rows
+
+    exp = experiment(DDPMCifar10, TINY, "model.samples=2")
+    assert exp.options.strip_samples > 2 and strip_rows(exp.options.samples, exp.options.strip_samples) == 2
+    assert strip_rows(64, 8) == 8 and strip_rows(64, 0) == 0
 
 
 def test_flip_paths_flip():

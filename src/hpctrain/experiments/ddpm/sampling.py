@@ -61,15 +61,22 @@ def _sample_items(experiment, model: nn.Module, out: Outputs, items: range, shap
 def sample_outputs(experiment, model: nn.Module, out: Outputs) -> None:
     o = experiment.options
     started = time.perf_counter()
-    columns = strip_timesteps(o.timesteps, o.strip_columns) if o.strip_samples else []
+    rows = strip_rows(o.samples, o.strip_samples)
+    columns = strip_timesteps(o.timesteps, o.strip_columns) if rows else []
     x0, recorded, mine = draw_samples(experiment, model, out, o.samples, o.sample_steps, tuple(columns),
-                                      record_rows=o.strip_samples)
+                                      record_rows=rows)
     images = out.gather(to_uint8(x0))
     out.image("samples", None if images is None else images.float() / 255)
-    if o.strip_samples:
-        out.image("denoising", _strip(out, recorded, mine, o.strip_samples), nrow=len(recorded))
+    if rows:
+        out.image("denoising", _strip(out, recorded, mine, rows), nrow=len(recorded))
     if out.runtime.is_main:
         out.log(sample_seconds=time.perf_counter() - started, samples=float(o.samples))
+
+
+def strip_rows(samples: int, strip_samples: int) -> int:
+    """Rows of the denoising strip: model.strip_samples, but never more than the samples drawn (`hpctrain sample
+    --n 4` draws 4 and shows them all, whatever strip_samples says)."""
+    return min(samples, strip_samples)
 
 
 def _strip(out: Outputs, recorded: dict[int, torch.Tensor], mine: range, rows: int) -> torch.Tensor | None:

@@ -2,7 +2,7 @@
 
 Two experiments on the same code:
 
-- ``faceseg_celebamask``, the reference run of ../shared/seeds: DeepLabV3+ ResNet-101 (output stride 16) on
+- ``faceseg_celebamask``, the reference run of the practitioner's blog post "Multi-Node Distributed Training on HPC" (2026-01-29): DeepLabV3+ ResNet-101 (output stride 16) on
   CelebAMask-HQ at 256x256, 16 images per GPU on 3 nodes x 2 GPUs (global batch 96), 27k/3k split. Its defaults
   are the pretrained variant (configs/faceseg_pretrained.toml: ImageNet backbone, 100 epochs);
   configs/faceseg_scratch.toml is the other (random init, 200 epochs, a higher learning rate).
