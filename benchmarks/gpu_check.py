@@ -1,19 +1,29 @@
-"""Everything only a GPU shows, in one command: `make gpu-check` on a GPU node (about 15 minutes on one H100).
+"""Everything only a GPU shows, in one command: `make gpu-check` on a GPU node (about 15 minutes on one H100), or
+`make gpu-check-quick` (--quick) in at most 8 minutes, compilation included, for a short allocation.
 
-    python benchmarks/gpu_check.py [--out DIR] [--only STAGE,...] [--skip STAGE,...] [--budget-s 1200] [--list]
+    python benchmarks/gpu_check.py [--quick] [--out DIR] [--only STAGE,...] [--skip STAGE,...] [--budget-s S]
+                                   [--faces-dir DIR] [--archive PATH] [--list]
 
 Writes everything under one folder: --out, else $GPU_CHECK_DIR, else gpu-check-results/<date>-<host>/. In it:
 environment.json (device, driver, torch, CUDA, NCCL, cuDNN, date, host, commit), one log per stage (NN-stage.log,
 opening with the same environment header), the stages' own reports (pytest's junit xml, run dirs, the
-pre-flight report), and summary.md / summary.json with the table this prints at the end: stage, status
-(pass / fail / skip), key numbers, seconds.
+pre-flight report), summary.md / summary.json with the table this prints at the end (stage, status
+pass / fail / skip / cut, key numbers, seconds), and results.tar.gz holding all of it. The summary and the archive
+are rewritten after every stage, so a check killed at its allocation's limit still leaves everything it measured
+(--archive PATH writes the archive there as well, e.g. to the one folder a job's files come back from).
+
+--quick runs the stages of QUICK in order of value within --budget-s (default 480 s): correctness first (tests/gpu
+in two concurrent pytest processes, at most 3 minutes), then the two reference experiments' throughput (eager,
+short windows; the face-parsing end-to-end rows from a face set generated on a CPU machine beforehand, --faces-dir,
+else generated here), then the checkpoint stall, the pre-flight and the two-process runs. docs/gpu.md says what to
+carry to a node without network.
 
 Each stage is a subprocess with its own timeout (its whole process tree is killed at the limit); a failing
-stage does not stop the others; the exit code is 1 when a stage failed, else 0. Without a CUDA device every
-stage is skipped ("no CUDA device: skipped; run on a GPU node") and the command exits 0 in seconds.
+stage does not stop the others; the exit code is 1 when a stage failed or was cut, else 0. Without a CUDA device
+every stage is skipped ("no CUDA device: skipped; run on a GPU node") and the command exits 0 in seconds.
 
-The stages are the list STAGES below; to add one, append a Stage (a command, a timeout, when to skip it, and
-how to read its key numbers from its output).
+The stages are the lists STAGES and QUICK below; to add one, append a Stage (a command, a timeout, when to skip it,
+and how to read its key numbers from its output).
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tarfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -55,6 +66,8 @@ class Context:
     python: str = sys.executable
     header: str = ""
     """The environment header every stage log opens with."""
+    faces_dir: str = ""
+    """A face set made beforehand for the face-parsing end-to-end rows (benchmarks/faceseg_throughput.py --workdir)."""
     _help_cache: dict = field(default_factory=dict)
 
     @property
@@ -360,6 +373,47 @@ STAGES: list[Stage] = [
 ]
 
 
+QUICK_BUDGET_S = 480.0
+"""--quick: everything, compilation included, within 8 minutes (a debug partition's allocation, less start-up)."""
+QUICK_TESTS_S = 180.0
+"""--quick: tests/gpu's share."""
+QUICK_FACES = 2000
+"""--quick: faces for the end-to-end rows (1,600 for training; 35 MB of shards at 256 px)."""
+
+
+def _tests_parallel(ctx: Context) -> list[str]:
+    """tests/gpu as three concurrent pytest processes: each of the two compile tests (CPU-bound tracing and Inductor,
+    about a minute each) beside the rest, so that compilation does not add to everything else's time."""
+    return [ctx.python, "benchmarks/pytest_parallel.py", "--junit-prefix", str(ctx.out / "tests-gpu"), "--",
+            "tests/gpu", "-k", "compiled_digits", ":::", "tests/gpu", "-k", "faceseg_from_shards", ":::",
+            "tests/gpu", "-k", "not compiled_digits and not faceseg_from_shards"]
+
+
+def _faces_dir(ctx: Context) -> str:
+    return ctx.faces_dir or str(ctx.out / "faces")
+
+
+QUICK: list[Stage] = [
+    Stage("tests-gpu", _tests_parallel, QUICK_TESTS_S, numbers=pytest_numbers),
+    # Eager (compilation is the step-off-the-host issue's, and 80 s of it would not fit), short windows.
+    Stage("ddpm-throughput", lambda ctx: [ctx.python, "benchmarks/ddpm_throughput.py", "--device", "cuda", "--micro",
+                                          "64,128", "--steps", "20", "--warmup", "5", "--repeats", "3", "--no-compile",
+                                          "--json", str(ctx.out / "ddpm-throughput.json")], 100, numbers=table_numbers),
+    Stage("faceseg-throughput", lambda ctx: [ctx.python, "benchmarks/faceseg_throughput.py", "--device", "cuda",
+                                             "--batches", "16", "32", "--steps", "15", "--warmup", "5", "--repeats",
+                                             "3", "--no-compile", "--faces", str(QUICK_FACES), "--workdir",
+                                             _faces_dir(ctx), "--json", str(ctx.out / "faceseg-throughput.json")],
+          150, numbers=table_numbers),
+    Stage("checkpoint-stall", lambda ctx: [ctx.python, "benchmarks/checkpoint.py", "--repeats", "2", "--device", "cuda",
+                                           "--dir", str(ctx.out)], 90, numbers=checkpoint_numbers),
+    Stage("doctor-perf", _doctor_perf, 60, numbers=preflight_numbers),
+    Stage("train-2proc-shared-gpu", _train("train-2proc-shared-gpu", 2, "train.max_steps=60"), 60, env=_first_gpu,
+          numbers=train_numbers("train-2proc-shared-gpu", "gloo/cuda")),
+    Stage("train-2proc-nccl", _train("train-2proc-nccl", 2, "train.max_steps=60"), 60,
+          skip=needs_gpus(2, ONE_GPU_NCCL), numbers=train_numbers("train-2proc-nccl", "nccl/cuda")),
+]
+
+
 # ---- running -------------------------------------------------------------------------------------------------
 
 def _kill_tree(proc: subprocess.Popen) -> None:
@@ -411,8 +465,10 @@ def run_stage(stage: Stage, ctx: Context, index: int, timeout_s: float) -> Resul
     return Result(stage.name, status, text, seconds, str(log.relative_to(ctx.out)), shlex.join(cmd))
 
 
-def run_stages(stages: list[Stage], ctx: Context, budget_s: float = float("inf"), echo=print) -> list[Result]:
-    """Every stage in order, each with its own timeout (cut to what is left of the budget)."""
+def run_stages(stages: list[Stage], ctx: Context, budget_s: float = float("inf"), echo=print,
+               after: Callable[[list[Result]], None] = lambda results: None) -> list[Result]:
+    """Every stage in order, each with its own timeout (cut to what is left of the budget); ``after`` is called with
+    the results so far after each stage (to keep the summary and archive current)."""
     results, deadline = [], time.monotonic() + budget_s
     for index, stage in enumerate(stages, start=1):
         left = deadline - time.monotonic()
@@ -429,6 +485,7 @@ def run_stages(stages: list[Stage], ctx: Context, budget_s: float = float("inf")
         echo(f"[gpu-check] {stage.name}: {result.status.upper()} ({result.seconds:.1f} s) {result.numbers}",
              file=sys.stderr, flush=True)
         results.append(result)
+        after(results)
     return results
 
 
@@ -453,6 +510,50 @@ def exit_code(results: list[Result]) -> int:
     return 1 if any(r.status in ("fail", "cut") for r in results) else 0
 
 
+ARCHIVE = "results.tar.gz"
+
+
+def write_summary(out: Path, env: dict, head: str, results: list[Result], seconds: float,
+                  archives: list[Path]) -> None:
+    """summary.json, summary.md and the archive(s) of the whole folder, each replaced atomically: a reader (or a
+    job killed mid-write) finds the previous complete one or the new complete one."""
+    summary = {"environment": env, "seconds": round(seconds, 1), "exit_code": exit_code(results),
+               "stages": [asdict(r) for r in results]}
+    _atomic_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
+    _atomic_text(out / "summary.md", markdown(results, head))
+    for path in archives:
+        write_archive(out, path)
+
+
+LEFT_OUT = ("checkpoints", "faces")
+"""Folders the archive leaves out: the runs' checkpoints and the generated face set (megabytes each, no results)."""
+
+
+def write_archive(folder: Path, path: Path) -> None:
+    """folder as a gzipped tar (named after the folder inside), without archives of itself, checkpoints and the
+    face set: the logs, reports, metrics and summaries, small enough to come back from any job."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    skip = {path.resolve(), tmp.resolve(), (folder / ARCHIVE).resolve()}
+
+    def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        parts = Path(info.name).parts[1:]
+        if (folder.parent / info.name).resolve() in skip or info.name.endswith(".tmp") or \
+                any(part in LEFT_OUT for part in parts):
+            return None
+        return info
+
+    with tarfile.open(tmp, "w:gz", compresslevel=6) as tar:
+        tar.add(folder, arcname=folder.name, filter=keep)
+    os.replace(tmp, path)
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def default_out(env: dict) -> Path:
     return ROOT / "gpu-check-results" / f"{time.strftime('%Y%m%d-%H%M%S')}-{env.get('host', 'host')}"
 
@@ -470,28 +571,37 @@ def select(stages: list[Stage], only: str, skip: str) -> list[Stage]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help=f"the quick check: the stages of QUICK within "
+                   f"{QUICK_BUDGET_S:g} s (a short allocation); see the module docstring")
     p.add_argument("--out", default="", help="results folder (default $GPU_CHECK_DIR, else "
                    "gpu-check-results/<date>-<host>)")
     p.add_argument("--only", default="", metavar="STAGE,...", help="run only these stages")
     p.add_argument("--skip", default="", metavar="STAGE,...", help="leave these stages out")
-    p.add_argument("--budget-s", type=float, default=1200, help="stop starting stages after this many seconds "
-                   "(each stage's timeout is cut to what is left; default 1200)")
+    p.add_argument("--budget-s", type=float, default=None, help="stop starting stages after this many seconds "
+                   f"(each stage's timeout is cut to what is left; default 1200, with --quick {QUICK_BUDGET_S:g})")
+    p.add_argument("--faces-dir", default="", metavar="DIR", help="a face set made beforehand (python "
+                   "benchmarks/faceseg_throughput.py --prepare-only --faces 2000 --workdir DIR) for the face-parsing "
+                   "end-to-end rows; default: generated into the results folder")
+    p.add_argument("--archive", default="", metavar="PATH", help="also write the results archive here, after "
+                   "every stage")
     p.add_argument("--list", action="store_true", help="list the stages and exit")
     p.add_argument("--print-environment", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.print_environment:
         print(json.dumps(collect_environment()))
         return 0
+    table_of = QUICK if args.quick else STAGES
+    budget = args.budget_s if args.budget_s is not None else (QUICK_BUDGET_S if args.quick else 1200.0)
     if args.list:
-        for s in STAGES:
+        for s in table_of:
             print(f"{s.name:24s} timeout {s.timeout_s:g} s")
         return 0
-    stages = select(STAGES, args.only, args.skip)
+    stages = select(table_of, args.only, args.skip)
     started = time.perf_counter()
     env = query_environment(sys.executable)
     out = Path(args.out or os.environ.get("GPU_CHECK_DIR") or default_out(env)).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    ctx = Context(out, env, header=header(env))
+    ctx = Context(out, env, header=header(env), faces_dir=str(Path(args.faces_dir).resolve()) if args.faces_dir else "")
     (out / "environment.json").write_text(json.dumps(env, indent=1) + "\n")
     print(ctx.header, file=sys.stderr)
     if env.get("error"):
@@ -500,12 +610,15 @@ def main(argv: list[str] | None = None) -> int:
     versions = f"{device}, torch {env.get('torch')}, CUDA {env.get('cuda') or '-'}, NCCL {env.get('nccl') or '-'}"
     env_result = Result("environment", "fail" if env.get("error") else "pass", env.get("error", "")[:200] or versions,
                         env["query_s"], "environment.json")
-    results = [env_result] + run_stages(stages, ctx, args.budget_s - (time.perf_counter() - started))
+    archives = [out / ARCHIVE] + ([Path(args.archive).resolve()] if args.archive else [])
+
+    def keep(results: list[Result]) -> None:
+        write_summary(out, env, ctx.header, [env_result] + results, time.perf_counter() - started, archives)
+
+    keep([])
+    results = [env_result] + run_stages(stages, ctx, budget - (time.perf_counter() - started), after=keep)
     total = time.perf_counter() - started
-    summary = {"environment": env, "seconds": round(total, 1), "exit_code": exit_code(results),
-               "stages": [asdict(r) for r in results]}
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    (out / "summary.md").write_text(markdown(results, ctx.header))
+    write_summary(out, env, ctx.header, results, total, archives)
     print(f"\n{ctx.header}\n\n{table(results)}\n\n{len(results)} stages in {total:.0f} s: "
           f"{sum(r.status == 'pass' for r in results)} passed, {sum(r.status == 'fail' for r in results)} failed, "
           f"{sum(r.status == 'skip' for r in results)} skipped, {sum(r.status == 'cut' for r in results)} cut by "

@@ -135,3 +135,78 @@ def test_key_numbers_from_the_stages_reports(tmp_path: Path, gc):
     assert problem == ""
     summary = "3 passed, 1 skipped in 80.1s"
     assert gc.pytest_numbers(ctx, f"...\n==== {summary} ====\n") == (summary, "")
+
+
+def test_the_quick_check_is_ordered_by_value_and_fits_its_budget(gc):
+    """Correctness first (tests/gpu within 3 minutes), then the two reference experiments' throughput, then the rest;
+    the whole within 8 minutes on one H100."""
+    names = [s.name for s in gc.QUICK]
+    assert names[:3] == ["tests-gpu", "ddpm-throughput", "faceseg-throughput"]
+    assert gc.QUICK_BUDGET_S <= 480 and gc.QUICK[0].timeout_s <= 180
+    ctx = gc.Context(Path("/r"), {"gpu_count": 1}, python="py", faces_dir="/carried/faces")
+    tests = gc.QUICK[0].command(ctx)
+    assert tests[:2] == ["py", "benchmarks/pytest_parallel.py"] and tests.count("tests/gpu") == 3
+    faces = gc.QUICK[2].command(ctx)
+    assert faces[faces.index("--workdir") + 1] == "/carried/faces" and faces[faces.index("--faces") + 1] == "2000"
+    generated = gc.QUICK[2].command(gc.Context(Path("/r"), {"gpu_count": 1}, python="py"))
+    assert generated[generated.index("--workdir") + 1] == "/r/faces"
+
+
+def test_the_quick_check_without_cuda_skips_and_leaves_its_archive(tmp_path: Path, gc):
+    import tarfile
+
+    out, extra = tmp_path / "results", tmp_path / "back" / "check.tar.gz"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out), "--archive", str(extra)],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for stage in gc.QUICK:
+        assert any(line.startswith(stage.name) and "SKIP" in line for line in done.stdout.splitlines()), stage.name
+    for archive in (out / gc.ARCHIVE, extra):
+        with tarfile.open(archive) as tar:
+            names = set(tar.getnames())
+        assert {"results/summary.json", "results/summary.md", "results/environment.json"} <= names, names
+        assert not any(n.endswith(gc.ARCHIVE) for n in names)
+
+
+def test_the_archive_is_refreshed_after_every_stage_and_leaves_out_bulk(tmp_path: Path, gc):
+    """A check killed at its allocation's limit still returns what it measured: when the second stage runs, the
+    archive already holds the first stage's log and a summary that lists it. Checkpoints and faces stay out."""
+    out = tmp_path / "results"
+    (out / "run" / "checkpoints").mkdir(parents=True)
+    (out / "run" / "checkpoints" / "big.bin").write_bytes(b"x" * 1000)
+    (out / "faces").mkdir()
+    (out / "faces" / "shard.tar").write_bytes(b"y")
+    (out / "run" / "metrics.jsonl").write_text("{}\n")
+    ctx = gc.Context(out, {"gpu_count": 1}, header="# h")
+    check = ("import json, sys, tarfile\n"
+             f"tar = tarfile.open({str(out / gc.ARCHIVE)!r})\n"
+             "names = set(tar.getnames())\n"
+             "summary = json.load(tar.extractfile('results/summary.json'))\n"
+             "ok = 'results/01-first.log' in names and [s['stage'] for s in summary['stages']] == ['first']\n"
+             "ok = ok and 'results/run/metrics.jsonl' in names and not any('checkpoints' in n or 'faces' in n for n in names)\n"
+             "sys.exit(0 if ok else 3)\n")
+    stages = [gc.Stage("first", _py("print('measured 42')"), 60), gc.Stage("second", _py(check), 60)]
+
+    def keep(results):
+        gc.write_summary(out, {}, "# h", results, 1.0, [out / gc.ARCHIVE])
+
+    results = gc.run_stages(stages, ctx, echo=lambda *a, **k: None, after=keep)
+    assert [r.status for r in results] == ["pass", "pass"], results
+
+
+def test_pytest_parallel_runs_groups_together_and_sums_them(tmp_path: Path):
+    with benchmark_module("pytest_parallel") as pp:
+        assert pp.groups_of(["a", "-k", "x", ":::", "b", ":::"]) == [["a", "-k", "x"], ["b"]]
+        assert pp.counts("..\n==== 3 passed, 1 failed, 2 skipped, 1 error in 4.1s ====\n") == {
+            "passed": 3, "failed": 1, "skipped": 2, "errors": 1}
+        assert pp.summary([{"passed": 3}, {"passed": 1, "failed": 1}], 2.0) == \
+            "4 passed, 1 failed, 0 skipped, 0 errors in 2.0 s (2 groups)"
+    (tmp_path / "test_a.py").write_text("import time\ndef test_slow_a():\n    time.sleep(1.5)\n")
+    (tmp_path / "test_b.py").write_text("import time\ndef test_slow_b():\n    time.sleep(1.5)\n"
+                                        "def test_fails():\n    assert False\n")
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pytest_parallel.py"), "--",
+                           str(tmp_path / "test_a.py"), ":::", str(tmp_path / "test_b.py")],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr  # a failing group fails the whole
+    assert done.stdout.splitlines()[-1].startswith("2 passed, 1 failed, 0 skipped, 0 errors in")
