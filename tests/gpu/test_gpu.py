@@ -45,10 +45,10 @@ def test_compiled_digits_on_gpu(tmp_path: Path):
     assert state["step"] == 56
 
 
-def _jpegs(kind: str, count: int = 8) -> list[torch.Tensor]:
-    """JPEG bytes (quality 90, 4:2:0, odd and even heights): 'noise' is uniform random pixels (every 8x8 block full of
-    the highest frequencies, where decoders' IDCT and chroma upsampling differ most); 'smooth' is gradients and
-    ellipses, like the faces the decode path is for."""
+def _jpegs(kind: str, subsampling: int = 2, count: int = 8) -> list[torch.Tensor]:
+    """JPEG bytes (quality 90, odd and even heights; subsampling 2 = 4:2:0, PIL's default and CelebA-HQ's, 0 = 4:4:4):
+    'noise' is uniform random pixels (every 8x8 block full of the highest frequencies); 'smooth' is gradients and an
+    ellipse, like the faces the decode path is for."""
     import io
 
     import numpy as np
@@ -66,16 +66,16 @@ def _jpegs(kind: str, count: int = 8) -> list[torch.Tensor]:
             image = Image.fromarray(pixels)
             ImageDraw.Draw(image).ellipse((8 + i, 6, 40, 30 + i), fill=(200, 150, 120))
         buf = io.BytesIO()
-        image.save(buf, format="JPEG", quality=90)
+        image.save(buf, format="JPEG", quality=90, subsampling=subsampling)
         out.append(torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8))
     return out
 
 
-def _decode_difference(kind: str) -> list[tuple[float, int]]:
+def _decode_difference(kind: str, subsampling: int) -> list[tuple[float, int]]:
     """(mean, max) |nvJPEG - libjpeg| per image in 0..255 units, decode only."""
     from hpctrain.data.gpu_decode import decode_images
 
-    datas = _jpegs(kind)
+    datas = _jpegs(kind, subsampling)
     gpu = decode_images(datas, torch.device("cuda"))
     cpu = decode_images(datas, torch.device("cpu"))
     out = []
@@ -86,20 +86,26 @@ def _decode_difference(kind: str) -> list[tuple[float, int]]:
     return out
 
 
-def test_nvjpeg_decodes_like_libjpeg_on_smooth_images_and_differs_only_in_rounding_on_noise():
-    """Decoders may differ (the JPEG standard allows IDCT and chroma-upsampling variants): on smooth images, which
-    the decode path is for, nvJPEG must give libjpeg's pixels to a rounding step; on random noise, where every
-    block is all high frequencies, only a bounded mean difference is asked (the first H100 run failed an 8-image
-    noise test at mean < 2/255 after resize: printed here, per image, to tell rounding from a real difference)."""
-    smooth, noise = _decode_difference("smooth"), _decode_difference("noise")
+def test_nvjpeg_differs_from_libjpeg_in_chroma_upsampling_not_in_decoding():
+    """The first H100 run failed the old test (mean < 2/255 after resizing random-noise JPEGs). Measured on that GPU
+    (torch 2.11, torchvision 0.26), decode only, 4:2:0: smooth images differ by a mean of ~2 levels (max ~37, at
+    colour edges), noise by ~13. Decoders may upsample the half-resolution chroma differently (libjpeg-turbo's
+    default 'fancy' triangular filter, nvJPEG its own): with no chroma subsampling (4:4:4) there is nothing to
+    upsample, and what is left is the IDCT's and colour conversion's rounding. So: not a decoding error, a
+    decoder's allowed choice, which the decode path's users see as ~1% pixel noise between the two paths."""
+    rows = {(kind, sub): _decode_difference(kind, sub) for kind in ("smooth", "noise") for sub in (0, 2)}
     print("nvJPEG vs libjpeg, decode only, (mean, max) per image, 0..255 units")
-    print(f"  smooth: {[(round(m, 2), x) for m, x in smooth]}")
-    print(f"  noise:  {[(round(m, 2), x) for m, x in noise]}")
-    assert all(mean < 1.0 and top <= 16 for mean, top in smooth), smooth
-    assert all(mean < 12.0 for mean, _ in noise), noise
+    for (kind, sub), found in rows.items():
+        print(f"  {kind:6s} {'4:4:4' if sub == 0 else '4:2:0'}: {[(round(m, 2), x) for m, x in found]}")
+    mean = {key: sum(m for m, _ in found) / len(found) for key, found in rows.items()}
+    assert mean["smooth", 0] < 1.0, rows["smooth", 0]  # rounding only
+    assert mean["smooth", 0] < mean["smooth", 2] and mean["noise", 0] < mean["noise", 2]  # upsampling adds the rest
+    assert mean["smooth", 2] < 4.0 and mean["noise", 2] < 20.0
 
 
 def test_nvjpeg_batch_decode_and_augment_match_the_cpu_path():
+    """Crop, resize (antialiased) and flip on the GPU after nvJPEG against the same on the CPU after libjpeg, on
+    smooth 4:2:0 images: measured 1.4/255 mean on the H100 (the chroma upsampling above, smoothed by the resize)."""
     from hpctrain.data.gpu_decode import Crop, crop_resize_flip, decode_images
 
     datas = _jpegs("smooth")
@@ -107,7 +113,7 @@ def test_nvjpeg_batch_decode_and_augment_match_the_cpu_path():
     gpu = crop_resize_flip(decode_images(datas, torch.device("cuda")), crops, 32)
     cpu = crop_resize_flip(decode_images(datas, torch.device("cpu")), crops, 32)
     assert gpu.device.type == "cuda" and gpu.shape == cpu.shape == (8, 3, 32, 32)
-    assert (gpu.cpu() - cpu).abs().mean() < 1 / 255
+    assert (gpu.cpu() - cpu).abs().mean() < 2.5 / 255
 
 
 def test_the_stop_vote_on_nccl_reduces_through_pinned_buffers(tmp_path: Path):
