@@ -13,7 +13,7 @@ are rewritten after every stage, so a check killed at its allocation's limit sti
 (--archive PATH writes the archive there as well, e.g. to the one folder a job's files come back from).
 
 --quick runs the stages of QUICK in order of value within --budget-s (default 480 s): correctness first (tests/gpu
-in two concurrent pytest processes, at most 3 minutes), then the two reference experiments' throughput (eager,
+in three concurrent pytest processes, at most 3 minutes), then the two reference experiments' throughput (eager,
 short windows; the face-parsing end-to-end rows from a face set generated on a CPU machine beforehand, --faces-dir,
 else generated here), then the checkpoint stall, the pre-flight and the two-process runs. docs/gpu.md says what to
 carry to a node without network.
@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Callable
 
 from hpctrain.perf.provenance import source_commit
-from hpctrain.proctree import kill_tree
+from hpctrain.proctree import descendants, kill_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 # hpctrain trains on the GPU there while the plain loop and the peers run on the CPU: not like with like.
@@ -416,6 +416,36 @@ QUICK: list[Stage] = [
 
 # ---- running -------------------------------------------------------------------------------------------------
 
+STAGE_GRACE_S = 10.0
+"""A stage at its limit first gets SIGINT (pytest then prints its summary and writes its junit xml, a benchmark its
+partial output), then this long before SIGKILL."""
+
+
+class StopCheck(Exception):
+    """SIGTERM or SIGINT to the check itself (a job's time limit): the running stage is stopped and recorded."""
+
+
+def _stop_check(signum: int, _frame) -> None:
+    raise StopCheck(signal.Signals(signum).name)
+
+
+def _stop_stage(proc: subprocess.Popen) -> None:
+    """SIGINT to the stage's session, a grace period, then SIGKILL to everything left: the tree as it was before the
+    SIGINT too (a process that left its parent's session and outlived it is no longer below the stage)."""
+    tree = descendants(proc.pid)
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=STAGE_GRACE_S)
+    except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired):
+        pass
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _kill_tree(proc)
+
+
 def _kill_tree(proc: subprocess.Popen) -> None:
     kill_tree(proc.pid)
     try:
@@ -440,10 +470,15 @@ def run_stage(stage: Stage, ctx: Context, index: int, timeout_s: float) -> Resul
         f.flush()
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=ROOT,
                                 start_new_session=True)
+        stopped = ""
         try:
             code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            _kill_tree(proc)
+            _stop_stage(proc)
+            code = None
+        except StopCheck as err:
+            stopped = str(err)
+            _stop_stage(proc)
             code = None
     seconds = time.perf_counter() - started
     output = log.read_text(errors="replace")
@@ -451,7 +486,9 @@ def run_stage(stage: Stage, ctx: Context, index: int, timeout_s: float) -> Resul
         numbers, problem = stage.numbers(ctx, output)
     except Exception as err:
         numbers, problem = "", f"could not read the results: {err!r}"
-    if code is None:
+    if stopped:
+        status, detail = "cut", f"the check was stopped by {stopped} after {seconds:.0f} s of this stage"
+    elif code is None:
         status, detail = "fail", f"timed out after {timeout_s:g} s"
     elif code != 0:
         status, detail = "fail", f"exit code {code}"
@@ -471,22 +508,44 @@ def run_stages(stages: list[Stage], ctx: Context, budget_s: float = float("inf")
     the results so far after each stage (to keep the summary and archive current)."""
     results, deadline = [], time.monotonic() + budget_s
     for index, stage in enumerate(stages, start=1):
-        left = deadline - time.monotonic()
-        reason = stage.skip(ctx)
-        if reason:
-            result = Result(stage.name, "skip", reason, 0.0)
-        elif left < 30:
-            # not run: the check is incomplete, which a green summary would hide
-            result = Result(stage.name, "cut", f"not run: out of the time budget ({budget_s:g} s)", 0.0)
-        else:
-            limit = min(stage.timeout_s, left)
-            echo(f"[gpu-check] {stage.name} (timeout {limit:.0f} s) ...", file=sys.stderr, flush=True)
-            result = run_stage(stage, ctx, index, limit)
+        try:
+            left = deadline - time.monotonic()
+            reason = stage.skip(ctx)
+            if reason:
+                result = Result(stage.name, "skip", reason, 0.0)
+            elif left < 30:
+                # not run: the check is incomplete, which a green summary would hide
+                result = Result(stage.name, "cut", f"not run: out of the time budget ({budget_s:g} s)", 0.0)
+            else:
+                limit = min(stage.timeout_s, left)
+                echo(f"[gpu-check] {stage.name} (timeout {limit:.0f} s) ...", file=sys.stderr, flush=True)
+                result = run_stage(stage, ctx, index, limit)
+        except StopCheck as err:  # outside a stage's process (e.g. while asking whether to skip it)
+            result = Result(stage.name, "cut", f"the check was stopped by {err} before this stage", 0.0)
         echo(f"[gpu-check] {stage.name}: {result.status.upper()} ({result.seconds:.1f} s) {result.numbers}",
              file=sys.stderr, flush=True)
         results.append(result)
-        after(results)
+        try:
+            after(results)
+        except Exception as err:  # a summary that cannot be written must not end the check
+            echo(f"[gpu-check] could not write the summary or archive: {type(err).__name__}: {err}",
+                 file=sys.stderr, flush=True)
+        if result.status == "cut" and result.numbers.startswith("the check was stopped"):
+            break
     return results
+
+
+def run_stopping_cleanly(stages: list[Stage], ctx: Context, budget_s: float,
+                         after: Callable[[list[Result]], None]) -> list[Result]:
+    """run_stages, where SIGTERM or SIGINT to the check (a job's time limit, Ctrl-C) stops the running stage, records
+    it as cut with its log, and ends the check after ``after`` has kept the results."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop_check)
+    try:
+        return run_stages(stages, ctx, budget_s, after=after)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_DFL)
 
 
 def table(results: list[Result]) -> str:
@@ -616,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
         write_summary(out, env, ctx.header, [env_result] + results, time.perf_counter() - started, archives)
 
     keep([])
-    results = [env_result] + run_stages(stages, ctx, budget - (time.perf_counter() - started), after=keep)
+    results = [env_result] + run_stopping_cleanly(stages, ctx, budget - (time.perf_counter() - started), keep)
     total = time.perf_counter() - started
     write_summary(out, env, ctx.header, results, total, archives)
     print(f"\n{ctx.header}\n\n{table(results)}\n\n{len(results)} stages in {total:.0f} s: "

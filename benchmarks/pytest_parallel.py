@@ -3,19 +3,22 @@
     python benchmarks/pytest_parallel.py [--junit-prefix PATH] -- ARGS... [::: ARGS...]...
 
 Each group (the arguments between ':::' separators) is one `python -m pytest -q -rA -p no:cacheprovider ARGS`
-process, all started together; their outputs are printed one after the other once all have ended, then one line
+process, all started together, each writing its output live to PATH-<group>.log (with --junit-prefix; else a
+temporary file); their outputs are printed one after the other once all have ended, then one line
 "N passed, M failed, K skipped, E errors in S s (G groups)". The exit code is 0 when every group's is 0 or 5 (no test
-collected in a group), else 1.
+collected in a group), else 1. SIGINT or SIGTERM to this process is passed on as one SIGINT to every group (pytest
+then stops, prints what passed and failed so far and writes its junit xml), and the outputs are printed as usual.
 
 Why: on a GPU node, tests/gpu spends most of its time compiling (Dynamo and Inductor, single-threaded per process)
-while the GPU and 15 other cores idle. Two processes (the compile tests and the rest) cut the wall time about in half
-within the quick check's 3-minute share; pytest-xdist would do the same but is not on GPU images.
+while the GPU and 15 other cores idle. Running each compile test beside the rest cuts the wall time to about that of
+the longest group within the quick check's 3-minute share; pytest-xdist would do the same but is not on GPU images.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -58,18 +61,31 @@ def run(groups: list[list[str]], junit_prefix: str = "") -> int:
     with tempfile.TemporaryDirectory(prefix="pytest-parallel-") as tmp:
         procs = []
         for i, group in enumerate(groups):
-            log = open(Path(tmp) / f"{i}.log", "w+")
+            log = open(f"{junit_prefix}-{i}.log" if junit_prefix else Path(tmp) / f"{i}.log", "w+")
             junit = [f"--junitxml={junit_prefix}-{i}.xml"] if junit_prefix else []
             cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *junit, *group]
-            procs.append((cmd, log, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
+            # each in a session of its own: a signal to our process group reaches them once, through us
+            procs.append((cmd, log, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                                     start_new_session=True)))
+
+        def interrupt(_signum, _frame) -> None:
+            for _, _, proc in procs:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGINT)
+
+        previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
         codes, per_group = [], []
-        for cmd, log, proc in procs:
-            codes.append(proc.wait())
-            log.seek(0)
-            output = log.read()
-            log.close()
-            print(f"==== group: {' '.join(cmd[3:])} (exit {codes[-1]})\n{output}", flush=True)
-            per_group.append(counts(output))
+        try:
+            for cmd, log, proc in procs:
+                codes.append(proc.wait())
+                log.seek(0)
+                output = log.read()
+                log.close()
+                print(f"==== group: {' '.join(cmd[3:])} (exit {codes[-1]})\n{output}", flush=True)
+                per_group.append(counts(output))
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     print(summary(per_group, time.perf_counter() - started), flush=True)
     return 0 if all(code in (0, 5) for code in codes) else 1
 

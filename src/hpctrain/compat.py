@@ -72,7 +72,11 @@ def gloo_group(connect_timeout_s: float, timeout_s: float) -> Any:
 # for dict, falls back to __reduce_ex__, reaches the `dict` class itself and looks up `type` in the emptied table:
 # KeyError: <class 'type'>. So every second asynchronous save failed there, on CPUs and GPUs alike (on the first
 # GPU run: the digits demo's step-200 save, after the step-100 one). torch 2.13 dropped that close() from _stage.
-STAGER_SINGLE_USE = TORCH < (2, 13)
+def stager_single_use() -> bool:
+    """From the torch this process imported (a PYTHONPATH or module setup can differ from the installed metadata)."""
+    import torch
+
+    return parse_version(torch.__version__) < (2, 13)
 
 
 class CheckpointStager:
@@ -86,11 +90,13 @@ class CheckpointStager:
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
         self._stager: Any = None
+        self._single_use = False
 
     def stage(self, state: dict[str, Any]) -> dict[str, Any]:
         if self._stager is None:
+            self._single_use = stager_single_use()
             self._stager = self._new()
-        if not STAGER_SINGLE_USE:
+        if not self._single_use:
             return self._stager.stage(state)
         import torch
 
@@ -105,7 +111,7 @@ class CheckpointStager:
             self._stager = None
 
     def _new(self) -> Any:
-        if STAGER_SINGLE_USE:
+        if self._single_use:
             from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 
             return StateDictStager(pin_memory=self.cuda, share_memory=False)

@@ -92,6 +92,36 @@ def test_staging_copies_cuda_state_into_pinned_buffers_complete_on_return():
         assert torch.equal(snap, source.detach().cpu())
 
 
+def test_the_checkpoint_stager_copies_cuda_state_into_reused_pinned_buffers_at_every_save():
+    """The copy routine of every asynchronous save (hpctrain.compat.CheckpointStager; DCP's stager with pinned memory
+    and non-blocking copies), on the tensor state the Checkpointer gives it, three saves in a row: on torch 2.11 the
+    second failed (KeyError: <class 'type'>). Each copy is complete when stage() returns (a long kernel is queued
+    first), private (training goes on at once), pinned, and in the same buffers as the save before."""
+    from hpctrain.checkpoint import state_dicts as dcp_state
+    from hpctrain.compat import CheckpointStager
+
+    stateful = cuda_state()
+    stager = CheckpointStager(cuda=True)
+    buffers = []
+    try:
+        for _ in range(3):
+            live = flat(dcp_state.tensor_state(stateful))
+            expected = [t.detach().cpu().clone() for t in live]
+            torch.cuda._sleep(100_000_000)
+            copies = flat(stager.stage(dcp_state.tensor_state(stateful)))
+            assert len(copies) == len(live) and any(t.is_cuda for t in live)
+            assert all(torch.equal(c, e) for c, e in zip(copies, expected)), "stage() returned before its copies"
+            train_step(stateful)
+            torch.cuda.synchronize()
+            assert all(torch.equal(c, e) for c, e in zip(copies, expected)), "training reached the copy"
+            assert all(c.device.type == "cpu" for c in copies)
+            assert all(c.is_pinned() for c, t in zip(copies, live) if t.is_cuda and t.numel() >= 1 << 16)
+            buffers.append([c.untyped_storage().data_ptr() for c in copies if c.numel() > 1])
+    finally:
+        stager.close()
+    assert buffers[0] == buffers[1] == buffers[2]
+
+
 def test_sync_and_async_saves_of_cuda_state_hold_the_same_tensors_and_load_on_the_cpu(tmp_path: Path):
     """DCP's async_save stages the CUDA state into pinned host memory; both checkpoints hold the state at the call
     and load on a machine without a GPU (torch's own converter reads them into CPU tensors)."""
@@ -123,6 +153,21 @@ def test_sync_and_async_saves_of_cuda_state_hold_the_same_tensors_and_load_on_th
                 assert a[key].device.type == "cpu" and torch.equal(a[key], b[key]), (part, key)
     model = checkpoint_tensors(async_dir, "model")
     assert all(torch.equal(model[k], expected[k]) for k in expected)  # the state at the call, not after
+
+    # a second asynchronous save (into the stager's reused buffers) against a synchronous one of the same state
+    state = TrainState(step=5, epoch=0, step_in_epoch=5, samples_seen=20).to_dict()
+    torch.manual_seed(2)
+    Checkpointer(tmp_path / "sync", "toy", runtime, "x = 1\n", 3, async_save=False).save(state, stateful,
+                                                                                         capture_rng(CUDA))
+    torch.manual_seed(2)
+    background.save(state, stateful, capture_rng(CUDA))
+    train_step(stateful)
+    background.settle()
+    for part in ("model", "optim", "ema"):
+        a = checkpoint_tensors(tmp_path / "sync" / "checkpoints" / "step_00000005", part)
+        b = checkpoint_tensors(tmp_path / "async" / "checkpoints" / "step_00000005", part)
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor)), part
 
 
 def test_a_resume_onto_the_gpu_restores_the_saved_state(tmp_path: Path):

@@ -21,6 +21,13 @@ def test_torchrun():
     assert (info.master_addr, info.master_port) == ("node1", 29400)
 
 
+def test_torchrun_node_count_comes_from_torchrun_when_nodes_run_different_process_counts():
+    """World 12 as 8 + 4 processes: world / local world would say 1 node on one and 3 on the other."""
+    eight = {**TORCHRUN, "WORLD_SIZE": "12", "LOCAL_WORLD_SIZE": "8", "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "2"}
+    four = {**eight, "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1"}
+    assert detect_launch(eight).num_nodes == detect_launch(four).num_nodes == 2
+
+
 def test_torchrun_inside_a_slurm_job_wins_over_slurm_variables():
     info = detect_launch({**SRUN, **TORCHRUN, "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "3"})
     assert info.launcher == "torchrun" and info.world_size == 6 and info.job_id == "4242"

@@ -210,3 +210,46 @@ def test_pytest_parallel_runs_groups_together_and_sums_them(tmp_path: Path):
                           capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert done.returncode == 1, done.stdout + done.stderr  # a failing group fails the whole
     assert done.stdout.splitlines()[-1].startswith("2 passed, 1 failed, 0 skipped, 0 errors in")
+
+
+def test_a_check_ended_by_sigterm_keeps_the_running_stages_log_in_its_archive(tmp_path: Path):
+    """A job's time limit sends SIGTERM: the running stage gets SIGINT (pytest then writes its summary), is recorded
+    as cut with what it printed, the summary and archive are rewritten, and no later stage starts."""
+    import signal
+    import tarfile
+
+    out = tmp_path / "results"
+    out.mkdir()
+    child = (
+        "import sys, time\n"
+        f"sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
+        "import gpu_check as gc\n"
+        "from pathlib import Path\n"
+        f"out = Path({str(out)!r})\n"
+        "ctx = gc.Context(out, {'gpu_count': 1}, header='# h')\n"
+        "work = 'import time; print(\"measured 42\", flush=True); time.sleep(60)'\n"
+        "stages = [gc.Stage('first', lambda c: [sys.executable, '-c', 'print(1)'], 30),\n"
+        "          gc.Stage('long', lambda c: [sys.executable, '-c', work], 120),\n"
+        "          gc.Stage('never', lambda c: [sys.executable, '-c', 'print(2)'], 30)]\n"
+        "keep = lambda r: gc.write_summary(out, {}, '# h', r, 1.0, [out / gc.ARCHIVE])\n"
+        "results = gc.run_stopping_cleanly(stages, ctx, 600, keep)\n"
+        "print('STATUSES', [(r.stage, r.status) for r in results], flush=True)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 60
+        log = out / "02-long.log"
+        while time.monotonic() < deadline and not (log.exists() and "measured 42" in log.read_text()):
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "STATUSES [('first', 'pass'), ('long', 'cut')]" in output, output
+    with tarfile.open(out / "results.tar.gz") as tar:
+        summary = json.load(tar.extractfile("results/summary.json"))
+        stage_log = tar.extractfile("results/02-long.log").read().decode()
+    assert [s["status"] for s in summary["stages"]] == ["pass", "cut"]
+    assert "stopped by SIGTERM" in summary["stages"][1]["numbers"] and "measured 42" in stage_log

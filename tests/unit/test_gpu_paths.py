@@ -121,20 +121,23 @@ def _node_launch(node: int, local_rank: int, local_world: int, nodes: int) -> La
 
 def _exchange_on_threads(uuids: dict[tuple[int, int], str], nodes: int, local_world: int, monkeypatch) -> list:
     """Every (node, local rank) runs shared_gpus on its own thread against one in-memory store, as the ranks of a
-    job do against the rendezvous store; returns each rank's answer."""
+    job do against the rendezvous store; returns each rank's answer (or the exception it raised)."""
     import threading
 
     from hpctrain.dist import gpu_identity
 
     mine = threading.local()
-    monkeypatch.setattr(gpu_identity, "device_uuid", lambda device: mine.uuid)
+    monkeypatch.setattr(gpu_identity, "device_identity", lambda device: mine.uuid)
     store = torch.distributed.HashStore()
     answers: dict[tuple[int, int], list[str]] = {}
 
     def rank(node: int, local_rank: int) -> None:
         mine.uuid = uuids[node, local_rank]
-        answers[node, local_rank] = gpu_identity.shared_gpus(
-            store, _node_launch(node, local_rank, local_world, nodes), torch.device("cuda", 0), timeout_s=30)
+        try:
+            answers[node, local_rank] = gpu_identity.shared_gpus(
+                store, _node_launch(node, local_rank, local_world, nodes), torch.device("cuda", 0), timeout_s=30)
+        except Exception as err:  # the same refusal on every rank is what some tests expect
+            answers[node, local_rank] = err
 
     threads = [threading.Thread(target=rank, args=key) for key in uuids]
     for t in threads:
@@ -162,10 +165,28 @@ def test_ranks_with_a_gpu_each_share_nothing_even_when_each_sees_it_as_cuda_0(mo
     assert _exchange_on_threads(uuids, nodes=1, local_world=4, monkeypatch=monkeypatch) == [[]] * 4
 
 
-def test_on_cpus_nothing_is_exchanged():
-    from hpctrain.dist.gpu_identity import shared_gpus
+def test_cpu_ranks_take_part_and_a_job_of_gpu_and_cpu_ranks_is_refused_on_every_rank(monkeypatch):
+    """A node whose GPU failed to initialise computes on the CPU: its ranks would pick gloo while the others pick
+    NCCL, and wait for each other until the timeout. Every rank takes part in the exchange and all refuse, naming
+    where the CPU ranks are; a job all on CPUs passes with nothing shared."""
+    from hpctrain.errors import UserError
 
-    assert shared_gpus(None, _node_launch(0, 0, 2, 1), torch.device("cpu"), timeout_s=1) == []
+    all_cpu = {(n, i): "cpu" for n in range(2) for i in range(2)}
+    assert _exchange_on_threads(all_cpu, nodes=2, local_world=2, monkeypatch=monkeypatch) == [[]] * 4
+    mixed = {(0, 0): "GPU-a", (0, 1): "GPU-b", (1, 0): "GPU-c", (1, 1): "cpu"}
+    answers = _exchange_on_threads(mixed, nodes=2, local_world=2, monkeypatch=monkeypatch)
+    assert all(isinstance(a, UserError) for a in answers), answers
+    assert "on the CPU are n1 (local ranks 1)" in str(answers[0])
+
+
+def test_a_rank_that_never_reports_is_a_message_naming_it_not_a_silent_wait():
+    from hpctrain.dist.gpu_identity import exchange
+    from hpctrain.errors import UserError
+
+    store = torch.distributed.HashStore()
+    with pytest.raises(UserError) as err:
+        exchange(store, _node_launch(0, 0, 2, 1), "GPU-a", timeout_s=0.5)  # local rank 1 never comes
+    assert "did not all report their device within dist.timeout_s=0.5 s (missing: 1;" in str(err.value)
 
 
 def test_the_backend_follows_what_the_ranks_found():

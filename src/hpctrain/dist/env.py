@@ -32,6 +32,7 @@ TORCHRUN_VARS = {
     "world_size": "WORLD_SIZE",
     "local_world_size": "LOCAL_WORLD_SIZE",
     "node_rank": "GROUP_RANK",
+    "num_nodes": "GROUP_WORLD_SIZE",
     "master_addr": "MASTER_ADDR",
     "master_port": "MASTER_PORT",
 }
@@ -120,7 +121,9 @@ def _from_torchrun(env: Mapping[str, str], host: str, job_id: str) -> LaunchInfo
         world_size=world,
         local_world_size=local_world,
         node_rank=int(env.get(v["node_rank"], 0)),
-        num_nodes=max(1, world // max(1, local_world)),
+        # torchrun says how many agents (nodes) there are; world / local world is wrong when nodes run different
+        # numbers of processes
+        num_nodes=int(env.get(v["num_nodes"], max(1, world // max(1, local_world)))),
         master_addr=env.get(v["master_addr"], "127.0.0.1"),
         master_port=int(env.get(v["master_port"], 29500)),
         hostname=host,
