@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hpctrain.atomic import fsync_dir
+from hpctrain.atomic import fsync_dir, give_new_file_mode
 from hpctrain.errors import UserError
 from hpctrain.metrics.records import metric_values, read_metrics
 from hpctrain.train.sample import resolve_run
@@ -157,6 +157,7 @@ def write_export(out: Path, tensors: dict[str, torch.Tensor], metadata: dict[str
             shutil.copyfile(sample, tmp / SAMPLE_IMAGE)
         (tmp / "README.md").write_text(card_text, encoding="utf-8")
         for path in tmp.iterdir():
+            give_new_file_mode(path)
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
         fsync_dir(tmp)
@@ -249,6 +250,7 @@ def write_weights_file(out: Path, tensors: dict[str, torch.Tensor], metadata: di
             tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
             staged.append(tmp)
             write(tmp)
+            give_new_file_mode(tmp)
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
         for tmp, final in zip(staged, (out, config)):
