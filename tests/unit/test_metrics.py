@@ -4,7 +4,7 @@ from pathlib import Path
 from hpctrain.metrics.plots import plot_training
 from hpctrain.metrics.records import read_metrics, series
 from hpctrain.metrics.sinks import build_metrics_logger, format_record
-from hpctrain.train.rundir import prepare_run_dir
+from hpctrain.train.rundir import write_config
 
 
 def test_logger_writes_jsonl_only_on_rank_0(tmp_path: Path):
@@ -66,9 +66,9 @@ def test_format_record_puts_detail_values_on_their_own_lines():
 
 
 def test_changed_config_keeps_the_earlier_one(tmp_path: Path):
-    prepare_run_dir(tmp_path, "a = 1\n")
-    prepare_run_dir(tmp_path, "a = 1\n")
+    write_config(tmp_path, "a = 1\n")
+    write_config(tmp_path, "a = 1\n")
     assert [p.name for p in tmp_path.glob("config*.toml")] == ["config.toml"]
-    prepare_run_dir(tmp_path, "a = 2\n")
+    write_config(tmp_path, "a = 2\n")
     kept = sorted(p.read_text() for p in tmp_path.glob("config*.toml"))
     assert kept == ["a = 1\n", "a = 2\n"] and (tmp_path / "config.toml").read_text() == "a = 2\n"

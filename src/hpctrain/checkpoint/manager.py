@@ -331,7 +331,7 @@ class Checkpointer:
                                           "optim.ema_decay=0)", "export the training weights instead (no --ema)."))
         template = {part: dcp_state.model_weights(model)}
         self._dcp_load(chosen.path, template, no_dist=True)
-        _fit(lambda: dcp_state.set_model_weights(model, template[part]), chosen.path)
+        _fit(lambda: dcp_state.set_model_weights(model, template[part]), chosen.path, self.config_text)
         return Resumed(chosen.path, chosen.info, int(chosen.info["world_size"]), parts=frozenset({part}))
 
     def _load(self, chosen: _Chosen, stateful: Mapping[str, Any]) -> Resumed:
@@ -352,7 +352,7 @@ class Checkpointer:
         sharded = {k: v for k, v in template.items() if k not in replicated}
         if sharded:
             self._dcp_load(path, sharded, no_dist=False)
-        _fit(lambda: dcp_state.apply_tensor_state(stateful, template), path)
+        _fit(lambda: dcp_state.apply_tensor_state(stateful, template), path, self.config_text)
         self._load_small(chosen, stateful)
         saved_world = int(info["world_size"])
         rng = self._own_rng(path) if saved_world == self.runtime.world_size else None
@@ -414,8 +414,9 @@ class Checkpointer:
             first = describe_error(err)[:600]
             raise on_every_rank(UserError(
                 f"cannot load checkpoint '{path}' into this run: {first}",
-                "resume with the [model] options the run was started with (see config.toml in the checkpoint), or "
-                "from another checkpoint (ckpt.resume=PATH), or use a new run.dir.")) from None
+                changed_settings(path, self.config_text) + "resume with the [model] options the run was started with "
+                "(see config.toml in the checkpoint), or from another checkpoint (ckpt.resume=PATH), or use a new "
+                "run.dir.")) from None
 
     def _load_small(self, chosen: _Chosen, stateful: Mapping[str, Any]) -> None:
         small = self._read(chosen.path, dcp_state.TRAIN_FILE)
@@ -583,7 +584,7 @@ def _raise_if_failed(outcome: SaveOutcome | None, root: Path) -> None:
     raise on_every_rank(RuntimeError(f"{message} (the previous checkpoint is intact)"))
 
 
-def _fit(load: Callable[[], None], path: Path) -> None:
+def _fit(load: Callable[[], None], path: Path, config_text: str) -> None:
     """Run a load into the live model; a strict key or shape mismatch (the same on every rank) becomes a message
     that says what to do."""
     try:
@@ -592,6 +593,24 @@ def _fit(load: Callable[[], None], path: Path) -> None:
         first = str(err).splitlines()[:3]
         raise on_every_rank(UserError(
             f"checkpoint '{path}' does not fit this model: {' '.join(first)}",
-            "resume with the [model] options the run was started with (see config.toml in the checkpoint), "
-            "or use a new run.dir.",
+            changed_settings(path, config_text) + "resume with the [model] options the run was started with (see "
+            "config.toml in the checkpoint), or use a new run.dir.",
         )) from None
+
+
+def changed_settings(path: Path, config_text: str) -> str:
+    """'model.hidden is 8 here but 16 in the checkpoint; ' for the settings of this run that differ from those the
+    checkpoint was saved with (its config.toml), [model] first; '' when they cannot be compared."""
+    from hpctrain.config.load import flat_differences
+
+    try:
+        saved = (path / "config.toml").read_text(encoding="utf-8")
+    except OSError:
+        return ""
+    changed = flat_differences(saved, config_text)
+    changed.sort(key=lambda item: (not item[0].startswith("model."), item[0]))
+    if not changed:
+        return ""
+    parts = [f"{key} is {now} here but {then} in the checkpoint" for key, then, now in changed[:5]]
+    more = f" (and {len(changed) - 5} more)" if len(changed) > 5 else ""
+    return "; ".join(parts) + more + ": "

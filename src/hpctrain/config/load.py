@@ -201,3 +201,23 @@ def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
 def config_to_toml(cfg: RunConfig) -> str:
     """The resolved config as TOML; ``load_config(..., config_file=...)`` reads it back to an equal RunConfig."""
     return tomli_w.dumps(config_to_dict(cfg))
+
+
+def flat_differences(old_text: str, new_text: str) -> list[tuple[str, Any, Any]]:
+    """(dotted key, old value, new value) for every key whose value differs between two resolved configs (TOML
+    text; a key missing on one side shows as None there). Unreadable text gives no differences."""
+    try:
+        old, new = _flatten(tomllib.loads(old_text)), _flatten(tomllib.loads(new_text))
+    except tomllib.TOMLDecodeError:
+        return []
+    return [(key, old.get(key), new.get(key)) for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out

@@ -6,6 +6,7 @@ import functools
 import inspect
 import json
 import logging
+import signal
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -42,7 +43,7 @@ from hpctrain.train.evaluate import evaluate
 from hpctrain.train.optim import build_optimizer, build_scheduler
 from hpctrain.train.precision import resolve_precision
 from hpctrain.train.rng import restore_rng, seed_everything, seed_rank_streams
-from hpctrain.train.rundir import prepare_run_dir
+from hpctrain.train.rundir import prepare_run_dir, set_aside_records, write_config
 from hpctrain.train.state import TrainState, continue_with_batch
 
 log = logging.getLogger("hpctrain")
@@ -91,7 +92,7 @@ def build_context(
                                 zero=cfg.dist.strategy == "zero1" and runtime.distributed)
     total_steps = cfg.train.max_steps or cfg.train.epochs * sampler.steps_per_epoch
     if runtime.is_main and write_run_dir:
-        prepare_run_dir(run_dir, config_text)
+        prepare_run_dir(run_dir)
     barrier(runtime)
     return TrainContext(
         cfg=cfg,
@@ -221,6 +222,12 @@ def run_training(cfg: RunConfig, runtime: Runtime, experiment: Experiment, confi
         if resumed is not None:
             _restore_streams(ctx, resumed)
             ctx.state = _continue_from(ctx, resumed)
+        if runtime.is_main:  # only now: a refused resume leaves the run dir's config as it was
+            write_config(Path(cfg.run_dir), config_text)
+            if resumed is None:
+                for kept in set_aside_records(Path(cfg.run_dir)):
+                    log.warning("fresh start: %s held an earlier attempt's records (no checkpoint to resume); "
+                                "kept as %s, this run's start anew", cfg.run_dir, kept.name)
         _announce(ctx, resumed)
         ctx.metrics = build_metrics_logger(
             runtime.is_main, Path(cfg.run_dir), cfg.log.progress, cfg.log.tensorboard,
@@ -308,9 +315,20 @@ def _start_watchdog(ctx: TrainContext, alerter: Alerter) -> Watchdog:
     return watchdog
 
 
+INTERRUPTED = 130
+"""The exit code of a run stopped by Ctrl-C (128 + SIGINT), with or without its checkpoint."""
+
+
 def _stopped(ctx: TrainContext, alerter: Alerter, result: loop.LoopResult) -> Outcome:
-    """A stop signal: the checkpoint is saved on every rank; say so, requeue, exit with fault.exit_code."""
+    """A stop signal: the checkpoint is saved on every rank; say so, requeue, exit with fault.exit_code. Ctrl-C
+    (SIGINT) is the user's, not the cluster's: no requeue and no alert, exit code 130."""
     rt, f = ctx.runtime, ctx.cfg.fault
+    if result.stop_signal == signal.SIGINT:
+        if rt.is_main:
+            log.warning("interrupted (Ctrl-C) at step %d with a checkpoint; the same command resumes from it",
+                        ctx.state.step)
+        barrier(rt)
+        return Outcome(INTERRUPTED, result.val)
     if rt.is_main:
         got = ctx.fault.signals.received_at
         after = f", {time.monotonic() - got:.1f} s after the signal reached rank 0" if got else ""

@@ -39,8 +39,29 @@ def write_config(run_dir: Path, config_text: str) -> None:
     atomic_write_text(path, config_text)
 
 
-def prepare_run_dir(run_dir: Path, config_text: str) -> None:
+RECORDS = ("metrics.jsonl", "tensorboard")
+"""What a run appends to: a fresh start must not add its lines to another run's."""
+
+
+def set_aside_records(run_dir: Path) -> list[Path]:
+    """On a fresh start (no checkpoint loaded) in a run dir that holds another attempt's records (one stopped before
+    its first save, or another experiment's): move them aside as NAME.<time> so the report, the plots and TensorBoard
+    show this run alone; returns the new names."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    moved = []
+    for name in RECORDS:
+        path = run_dir / name
+        if path.exists():
+            stem, dot, suffix = name.partition(".")
+            target = run_dir / (f"{stem}.{stamp}{dot}{suffix}" if dot else f"{name}.{stamp}")
+            os.replace(path, target)
+            moved.append(target)
+    return moved
+
+
+def prepare_run_dir(run_dir: Path) -> None:
+    """The run dir's folders. Its config.toml is written only once the checkpoint (if any) has loaded
+    (write_config): a resume refused for a changed model key must leave the run dir as it was."""
     ensure_writable(run_dir)
     for name in SUBDIRS:
         (run_dir / name).mkdir(exist_ok=True)
-    write_config(run_dir, config_text)
