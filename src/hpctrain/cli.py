@@ -440,5 +440,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hpctrain: error: {_rank_prefix()}{err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("hpctrain: interrupted", file=sys.stderr)
+        from hpctrain.dist.env import under_hpctrain_agent
+
+        if not under_hpctrain_agent():  # a worker's launcher says it once for all of them
+            print("hpctrain: interrupted", file=sys.stderr)
         return 130

@@ -9,8 +9,11 @@ rendezvous). What we change, measured on torch 2.14:
   default action kills torchrun, and the workers (each in a session of its own)
   never hear of it. Here SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 are forwarded to the
   worker processes and torchrun keeps running, so the workers can stop at a step
-  boundary, save, and exit with fault.exit_code, which we pass on. SIGINT and
-  SIGQUIT keep torchrun's behaviour (stop now).
+  boundary, save, and exit with fault.exit_code, which we pass on. SIGINT (Ctrl-C)
+  too: the workers stop at the next step boundary with a checkpoint and exit 130; a
+  second SIGINT stops them at once (SIGKILL after INTERRUPT_GRACE_S). torchrun's own
+  handling (SIGTERM to the workers, then a SignalException traceback and exit 1)
+  threw the work since the last checkpoint away. SIGQUIT keeps torchrun's behaviour.
 - Failures. Its ChildFailedError traceback and boxed summary bury the workers' own
   messages; we print one line about the first failure and exit with that worker's
   code (2 for bad input, 128+N for signal N) instead of 1, and send the failure alert
@@ -68,6 +71,11 @@ def _kill_children(signum: int = signal.SIGKILL, _frame=None) -> None:
             pass
 
 
+# After a second Ctrl-C the workers get this long to leave (their KeyboardInterrupt), then SIGKILL.
+INTERRUPT_GRACE_S = 10
+INTERRUPTED = 130
+
+
 def _forward(signum: int, _frame) -> None:
     for child in child_pids():
         try:
@@ -77,6 +85,21 @@ def _forward(signum: int, _frame) -> None:
     if signum == signal.SIGTERM:
         signal.signal(signal.SIGALRM, _kill_children)
         signal.alarm(TERM_GRACE_S)
+
+
+class _Interrupts:
+    """Ctrl-C: the first is forwarded (the workers stop at a step boundary with a checkpoint), the second too (the
+    workers' KeyboardInterrupt), with SIGKILL INTERRUPT_GRACE_S later for a worker that does not leave."""
+
+    count = 0
+
+    @classmethod
+    def handle(cls, signum: int, frame) -> None:
+        cls.count += 1
+        _forward(signum, frame)
+        if cls.count > 1:
+            signal.signal(signal.SIGALRM, _kill_children)
+            signal.alarm(INTERRUPT_GRACE_S)
 
 
 def describe_exit(code: int) -> str:
@@ -139,6 +162,11 @@ def report(err: ChildFailedError) -> int:
     rank, first = first_failure(err)
     cfg = _run_config()
     codes = {f.exitcode for f in err.failures.values()}
+    if _Interrupts.count and codes <= {INTERRUPTED, -signal.SIGINT, -signal.SIGKILL, -signal.SIGTERM}:
+        saved = "" if _Interrupts.count > 1 else " at a step boundary with a checkpoint"
+        print(f"hpctrain: interrupted (Ctrl-C): all {len(err.failures)} workers stopped{saved}; the same command "
+              "resumes from the last checkpoint", file=sys.stderr)
+        return INTERRUPTED
     if cfg is not None and codes == {cfg.fault.exit_code}:
         # Not a failure: every worker saved and asked to be resumed (rank 0 sent the alert, requeued).
         print(f"hpctrain: all {len(err.failures)} workers stopped after a checkpoint; exit code "
@@ -189,9 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     # starts; the others stay ours. Its --signals-to-handle overrides TORCHELASTIC_SIGNALS_TO_HANDLE.
     argv = list(sys.argv[1:] if argv is None else argv)
     if not any(a.startswith(("--signals-to-handle", "--signals_to_handle")) for a in argv):
-        argv.insert(0, "--signals-to-handle=SIGINT,SIGQUIT")
+        argv.insert(0, "--signals-to-handle=SIGQUIT")
     for sig in FORWARDED:
         signal.signal(sig, _forward)
+    signal.signal(signal.SIGINT, _Interrupts.handle)
     try:
         with node_monitors():  # only inside a job script that asked for them
             torchrun(argv)

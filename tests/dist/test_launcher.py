@@ -173,3 +173,78 @@ def test_demo_meets_its_accuracy_target(tmp_path: Path):
     assert final["step"] == 280 and final["accuracy"] >= 0.95
     assert (tmp_path / "plots" / "training.png").stat().st_size > 10_000
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def _ends_in_one_line(output: str) -> None:
+    assert "Traceback" not in output and "SignalException" not in output, output
+    assert "exited unexpectedly" not in output, output
+
+
+def test_ctrl_c_stops_every_rank_with_a_checkpoint_and_exit_130(tmp_path: Path):
+    """The first Ctrl-C (SIGINT to the launcher, which a terminal sends) stops the run at a step boundary with a
+    checkpoint, as SIGTERM does; no requeue exit code and no torchrun traceback: 130 and one line."""
+    run_dir = tmp_path / "run"
+    proc = start_long_run(run_dir, "data.num_workers=2")
+    try:
+        wait_for_training(proc, run_dir)
+        os.killpg(proc.pid, signal.SIGINT)  # the launcher's whole process group, as a terminal does
+        code = proc.wait(timeout=60)
+        output = proc.stdout.read()
+        assert code == 130, output
+        _ends_in_one_line(output)
+        assert "interrupted (Ctrl-C) at step" in output and "with a checkpoint" in output
+        assert output.count("hpctrain: interrupted (Ctrl-C): all 2 workers stopped at a step boundary") == 1
+        assert len(list((run_dir / "checkpoints").glob("step_*"))) == 1
+        assert not wait_gone(run_dir, 30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        kill_leftovers(processes_mentioning(str(run_dir)))
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path: Path):
+    run_dir = tmp_path / "run"
+    # a checkpoint every step would be slow enough to press again during it; the second press must not wait
+    proc = start_long_run(run_dir)
+    try:
+        wait_for_training(proc, run_dir)
+        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=40)
+        output = proc.stdout.read()
+        assert code == 130, output
+        assert output.count("hpctrain: interrupted (Ctrl-C): all 2 workers stopped") == 1, output
+        assert "SignalException" not in output
+        assert not wait_gone(run_dir, 30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        kill_leftovers(processes_mentioning(str(run_dir)))
+
+
+def test_ctrl_c_on_one_process_with_loader_workers_saves_and_resumes(tmp_path: Path):
+    """One process, no torchrun: the terminal's SIGINT reaches the rank and its loader workers (one process
+    group); the workers must not die of it before the rank has saved."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(TESTS)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpctrain", "train", "digits", f"run.dir={run_dir}", "train.epochs=500",
+         "log.every_steps=1", "log.plots=false", "log.tensorboard=false", "data.num_workers=2"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        wait_for_training(proc, run_dir)
+        os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait(timeout=60)
+        output = proc.stdout.read()
+        assert code == 130, output
+        _ends_in_one_line(output)
+        saved = list((run_dir / "checkpoints").glob("step_*"))
+        assert len(saved) == 1, output
+        step = int(saved[0].name.split("_")[1])
+        resumed = run_hpctrain(["train", "digits", f"run.dir={run_dir}", f"train.max_steps={step + 2}",
+                                "log.plots=false", "log.tensorboard=false"], 120)
+        assert resumed.returncode == 0 and f"at step {step}" in resumed.stderr, resumed.output
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        kill_leftovers(processes_mentioning(str(run_dir)))

@@ -181,7 +181,10 @@ def _clean_worker_error(err: DataError) -> DataError:
     return DataError(body.strip(), hint.strip() or err.hint)
 
 
-STOP_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+# SIGINT too: a terminal's Ctrl-C reaches the whole foreground process group, loader workers included, and torch's
+# worker loop exits quietly on KeyboardInterrupt, so the rank's next batch failed ("DataLoader worker exited
+# unexpectedly") instead of its checkpoint being saved.
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGINT)
 
 
 @contextlib.contextmanager

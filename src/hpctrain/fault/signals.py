@@ -12,7 +12,9 @@ from types import FrameType
 
 
 class StopSignals:
-    """Records the last stop signal received (its number; 0 for none)."""
+    """Records the last stop signal received (its number; 0 for none). SIGINT (Ctrl-C) is one too: the first stops
+    the run at the next step boundary with a checkpoint, as SIGTERM does; a second raises KeyboardInterrupt there and
+    then, for a user who will not wait for the step or the save."""
 
     def __init__(self) -> None:
         self.received = 0
@@ -21,6 +23,8 @@ class StopSignals:
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and self.received == signal.SIGINT:
+            raise KeyboardInterrupt  # the second Ctrl-C: stop at once
         self.received = signum
         self.received_at = self.received_at or time.monotonic()
 
@@ -44,8 +48,9 @@ class StopSignals:
 
 
 def stop_signal_names(warning_signal: str) -> list[str]:
-    """SIGTERM always (Slurm's time limit and preemption send it); plus the configured warning signal."""
-    return ["SIGTERM"] + ([warning_signal] if warning_signal not in ("none", "SIGTERM") else [])
+    """SIGTERM always (Slurm's time limit and preemption send it), SIGINT (Ctrl-C: stop with a checkpoint, not lose
+    the work since the last one), plus the configured warning signal."""
+    return ["SIGTERM", "SIGINT"] + ([warning_signal] if warning_signal not in ("none", "SIGTERM", "SIGINT") else [])
 
 
 def signal_name(signum: int) -> str:
