@@ -105,7 +105,15 @@ def _shutdown_threads() -> None:
 
 def _run_atexit_handlers() -> None:
     """Registered handlers, while the interpreter is whole. Each error is printed and the rest still run, as
-    at a normal exit (atexit._run_exitfuncs does both)."""
+    at a normal exit (atexit._run_exitfuncs does both).
+
+    SIGCHLD goes back to its default first: torch's DataLoader installs a handler that raises when any of its
+    workers has exited with an error, and multiprocessing's exit handler ends the daemon children (data.worker_start=
+    fork: the loader's persistent workers are this process's children) with SIGTERM, which they answer with exit
+    code 143: every other finished run printed "Exception ignored in atexit callback ... DataLoader worker exited
+    unexpectedly with exit code 143". A worker's death at exit is the exit, not an error."""
+    with contextlib.suppress(ValueError, OSError):  # not the main thread, or no SIGCHLD here
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     try:
         atexit._run_exitfuncs()  # noqa: SLF001 - the function the interpreter calls at exit
     except Exception:  # noqa: BLE001 - never lose the exit status to a handler

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import pickle
 import random
 import select
 import signal
@@ -24,6 +25,7 @@ from hpctrain.data.seeding import SALT_WORKER, mix_seed, sample_generator
 from hpctrain.data.shardset import DataError
 from hpctrain.dist.env import cpus_available
 from hpctrain.dist.runtime import Runtime
+from hpctrain.errors import UserError
 
 Transform = Callable[[Any, torch.Generator], Any]
 
@@ -143,7 +145,17 @@ class SkipCountingLoader:
             yield from fetch_in_process(loader)
             return
         with stop_signals_blocked() if loader.num_workers > 0 else contextlib.nullcontext():  # workers start in iter()
-            it = iter(loader)
+            try:
+                it = iter(loader)
+            except (AttributeError, TypeError, pickle.PicklingError) as err:
+                if "pickle" not in str(err):
+                    raise
+                raise UserError(
+                    f"the data set cannot be sent to the loader's worker processes (data.worker_start="
+                    f"{loader.multiprocessing_context.get_start_method() if loader.multiprocessing_context else '?'}"
+                    f" pickles it): {err}",
+                    "define transforms and datasets at module level (a lambda or a function inside a method cannot "
+                    "be pickled), or set data.num_workers=0 (no worker processes).") from None
         while True:
             try:
                 item = next(it)
@@ -256,15 +268,32 @@ def _sigterm_from(rank_pid: int) -> None:
             os._exit(128 + signal.SIGTERM)
 
 
-def auto_workers(runtime: Runtime) -> int:
-    """Worker processes per rank from the CPUs this process may use, shared by the ranks of the
-    node, one CPU left for the rank's own process; at most 8 (more rarely helps and costs memory)."""
+def in_memory(dataset: Any) -> bool:
+    """Samples that are indexed, not read or decoded: a TensorDataset (or a Subset or concatenation of ones), or a
+    data set that says so with `in_memory = True`. Worker processes only add pickling and a pipe per batch there
+    (measured: a 4-class CNN on a TensorDataset, 2.0 s an epoch without workers, 6.8 s with them)."""
+    from torch.utils.data import ConcatDataset, Subset, TensorDataset
+
+    if isinstance(dataset, TensorDataset) or getattr(dataset, "in_memory", False) is True:
+        return True
+    if isinstance(dataset, Subset):
+        return in_memory(dataset.dataset)
+    if isinstance(dataset, ConcatDataset):
+        return all(in_memory(d) for d in dataset.datasets)
+    return False
+
+
+def auto_workers(runtime: Runtime, dataset: Any = None) -> int:
+    """Worker processes per rank: none for an in-memory data set; else from the CPUs this process may use, shared by
+    the ranks of the node, one CPU left for the rank's own process; at most 8 (more rarely helps and costs memory)."""
+    if dataset is not None and in_memory(dataset):
+        return 0
     per_rank = cpus_available() // max(1, runtime.local_world_size)
     return max(0, min(8, per_rank - 1))
 
 
-def loader_kwargs(cfg: DataSection, runtime: Runtime) -> dict[str, Any]:
-    workers = auto_workers(runtime) if cfg.num_workers < 0 else cfg.num_workers
+def loader_kwargs(cfg: DataSection, runtime: Runtime, dataset: Any = None) -> dict[str, Any]:
+    workers = auto_workers(runtime, dataset) if cfg.num_workers < 0 else cfg.num_workers
     kwargs: dict[str, Any] = {
         "num_workers": workers,
         "pin_memory": cfg.pin_memory and runtime.device.type == "cuda",
@@ -285,5 +314,6 @@ def build_loader(
     keyed = KeyedDataset(dataset, transform, seed, runtime.rank, cfg.on_error)
     counting = cfg.on_error == "skip"
     collate = SkipAwareCollate(collate_fn) if counting else collate_fn
-    loader = DataLoader(keyed, batch_sampler=batch_sampler, collate_fn=collate, **loader_kwargs(cfg, runtime))
+    loader = DataLoader(keyed, batch_sampler=batch_sampler, collate_fn=collate,
+                        **loader_kwargs(cfg, runtime, dataset))
     return SkipCountingLoader(loader, counting)

@@ -283,11 +283,28 @@ def _warn_if_loader_bound(ctx: TrainContext, window: "_Window", wait_frac: float
         return
     window.warned_loader_bound = True
     if ctx.runtime.is_main:
-        log.warning(
-            "the data loader limits the step time: ranks wait %.0f%% of it for batches. Raise data.num_workers "
-            "(cpus per process: slurm.cpus_per_task), pre-resize images (hpctrain shard --resize), or decode on the GPU",
-            100 * wait_frac,
-        )
+        log.warning("the data loader limits the step time: ranks wait %.0f%% of it for batches. %s", 100 * wait_frac,
+                    loader_advice(ctx.train_loader))
+
+
+def loader_advice(loader) -> str:
+    """What to try, from what the loader is: more workers help a data set that reads and decodes; an in-memory one
+    is slowed by workers (pickling and a pipe per batch), and raising them makes it worse."""
+    from hpctrain.data.loader import in_memory
+
+    workers = getattr(loader, "num_workers", None)
+    if workers is None and hasattr(loader, "loader"):
+        workers = loader.loader.num_workers
+    dataset = getattr(loader, "dataset", None)
+    raw = getattr(dataset, "base", dataset)  # KeyedDataset wraps the experiment's own
+    if raw is not None and in_memory(raw):
+        if workers:
+            return (f"The data set is in memory and data.num_workers={workers}: set data.num_workers=0 (worker "
+                    "processes only add pickling and a pipe per batch), or data.on_device=true to keep it on the GPU.")
+        return ("The data set is in memory: the per-batch work is the transform's (make it cheaper, or batch it on "
+                "the device with data.on_device=true).")
+    return (f"With data.num_workers={workers}: raise it (CPUs per process: slurm.cpus_per_task), pre-resize images "
+            "(hpctrain shard --resize), or decode on the GPU.")
 
 
 class _Window:

@@ -1,0 +1,41 @@
+"""data.num_workers=-1 chooses by what the data set is, and the loader-bound warning's advice matches it: worker
+processes help a data set that reads and decodes, and slow down one in memory (measured 6.8 s vs 2.0 s an epoch)."""
+
+import dataclasses
+
+import torch
+from torch.utils.data import ConcatDataset, Dataset, Subset, TensorDataset
+
+from hpctrain.config.schema import DataSection
+from hpctrain.data.loader import auto_workers, build_loader, in_memory
+from hpctrain.dist.runtime import single_process_runtime
+from hpctrain.train.loop import loader_advice
+
+RUNTIME = single_process_runtime(torch.device("cpu"))
+
+
+class Files(Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return torch.zeros(2), 0
+
+
+def test_in_memory_data_sets_get_no_workers():
+    tensors = TensorDataset(torch.zeros(8, 2))
+    assert in_memory(tensors) and in_memory(Subset(tensors, [0, 1])) and in_memory(ConcatDataset([tensors, tensors]))
+    assert not in_memory(Files()) and not in_memory(ConcatDataset([tensors, Files()]))
+    assert auto_workers(RUNTIME, tensors) == 0
+    assert auto_workers(RUNTIME, Files()) == auto_workers(RUNTIME)
+
+
+def test_the_loader_bound_advice_fits_the_data_set():
+    memory, files = TensorDataset(torch.zeros(8, 2)), Files()
+    batches = [[0, 1], [2, 3]]
+    advice = loader_advice(build_loader(memory, batches, dataclasses.replace(DataSection(), num_workers=2), RUNTIME))
+    assert advice.startswith("The data set is in memory and data.num_workers=2: set data.num_workers=0")
+    advice = loader_advice(build_loader(memory, batches, dataclasses.replace(DataSection(), num_workers=0), RUNTIME))
+    assert advice.startswith("The data set is in memory: the per-batch work is the transform's")
+    advice = loader_advice(build_loader(files, batches, dataclasses.replace(DataSection(), num_workers=1), RUNTIME))
+    assert advice.startswith("With data.num_workers=1: raise it")
