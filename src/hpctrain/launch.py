@@ -23,6 +23,7 @@ rendezvous). What we change, measured on torch 2.14:
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -124,7 +125,13 @@ def failure_message(failure, full: bool = False) -> str:
     lines = message.strip().splitlines()
     if len(lines) > 1 and lines[-1].startswith("HINT: "):
         return f"{lines[-2]} ({lines[-1]})"[:500]
-    return lines[-1][:500]
+    # The exception's own line, not the advice torch appends below it ("In addition, you can set the environment
+    # variable TORCH_DISTRIBUTED_DEBUG ..."); the last one where exceptions are chained.
+    errors = [line for line in lines if ERROR_LINE.match(line)]
+    return (errors[-1] if errors else lines[0])[:500]
+
+
+ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Failure)\b.*?: ")
 
 
 def _run_config():

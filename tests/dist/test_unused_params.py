@@ -36,3 +36,14 @@ def test_a_parameter_without_gradients_resumes_under_every_strategy(tmp_path: Pa
     assert sorted(got) == sorted(want) == list(range(1, 9))
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=1e-5), step
+
+
+def test_without_find_unused_parameters_the_failure_says_what_to_set(tmp_path: Path):
+    """The same model trains on one process (no DDP); on two, DDP's error ends in advice about
+    TORCH_DISTRIBUTED_DEBUG. The run ends with one line naming the setting."""
+    args = [a for a in TOY if a != "dist.find_unused_parameters=true"]
+    result = run_hpctrain(["train", *args, f"run.dir={tmp_path}", "--nproc-per-node=2"], 150)
+    assert result.returncode == 2, result.output
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("hpctrain: worker rank") and "set dist.find_unused_parameters=true" in last, last
+    assert "TORCH_DISTRIBUTED_DEBUG" not in last

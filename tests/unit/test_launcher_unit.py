@@ -52,3 +52,23 @@ def test_failure_message_keeps_a_user_errors_message_before_its_hint():
     crash = SimpleNamespace(message="Traceback (most recent call last):\n  ...\nRuntimeError: boom")
     assert failure_message(crash) == "RuntimeError: boom"
     assert failure_message(SimpleNamespace(message="To enable traceback see: ...")) == ""
+    ddp = SimpleNamespace(message={"message": (
+        "RuntimeError: Expected to have finished reduction in the prior iteration before starting a new one.\n"
+        "Parameter indices which did not receive grad for rank 0: 3 4\n"
+        " In addition, you can set the environment variable TORCH_DISTRIBUTED_DEBUG to either INFO or DETAIL")})
+    assert failure_message(ddp).startswith("RuntimeError: Expected to have finished reduction")  # the error, not advice
+
+
+def test_ddps_unused_parameter_error_says_what_to_set():
+    from hpctrain.errors import UserError
+    from hpctrain.train.run import translate_error
+
+    err = translate_error(RuntimeError(
+        "Expected to have finished reduction in the prior iteration before starting a new one. This error indicates "
+        "that your module has parameters that were not used in producing loss. ...\nParameter indices which did not "
+        "receive grad for rank 1: 3 4\n In addition, you can set the environment variable TORCH_DISTRIBUTED_DEBUG"))
+    assert isinstance(err, UserError) and "set dist.find_unused_parameters=true" in err.hint
+    assert str(err).startswith("DDP: some trainable parameters got no gradient in this step (rank 1: parameter "
+                               "indices 3 4)")
+    other = ValueError("x")
+    assert translate_error(other) is other

@@ -6,6 +6,7 @@ import functools
 import inspect
 import json
 import logging
+import re
 import signal
 import time
 from dataclasses import dataclass, replace
@@ -234,7 +235,8 @@ def run_training(cfg: RunConfig, runtime: Runtime, experiment: Experiment, confi
             ctx.total_steps, ctx.state.step, stdout_is_terminal(),
         )
         result = loop.train(ctx)
-    except BaseException as err:
+    except BaseException as raised:
+        err = translate_error(raised)
         ctx.fault.signals.uninstall()  # failing: the launcher's SIGTERM should now end this process at once
         watchdog.stop("failed")
         # Under hpctrain's torchrun wrapper the launcher reports the first failure once, for all ranks; without
@@ -243,6 +245,8 @@ def run_training(cfg: RunConfig, runtime: Runtime, experiment: Experiment, confi
                 and (runtime.is_main or not raised_on_every_rank(err)):
             alerter.send("failure", last_step=ctx.state.step, exit_code=1, detail=f"{type(err).__name__}: {err}",
                          log_tail=recent_log_lines())
+        if err is not raised:
+            raise err from None
         raise
     finally:
         ctx.metrics.close()
@@ -313,6 +317,24 @@ def _start_watchdog(ctx: TrainContext, alerter: Alerter) -> Watchdog:
     watchdog.beat()  # the file exists from the start (tests and operators find the pid there)
     watchdog.start()
     return watchdog
+
+
+UNUSED_PARAMETERS = "Expected to have finished reduction in the prior iteration"
+
+
+def translate_error(err: BaseException) -> BaseException:
+    """Errors of torch's that have a known cause in the config, as a message with what to set. DDP's unused-parameter
+    error is met first on a cluster (one process trains without DDP) and ends in advice about
+    TORCH_DISTRIBUTED_DEBUG rather than the setting that fixes it."""
+    text = str(err)
+    if isinstance(err, RuntimeError) and UNUSED_PARAMETERS in text:
+        ranks = re.search(r"Parameter indices which did not receive grad for rank (\d+): ([\d ]+)", text)
+        which = f" (rank {ranks.group(1)}: parameter indices {ranks.group(2).strip()})" if ranks else ""
+        return UserError(
+            f"DDP: some trainable parameters got no gradient in this step{which}, so the gradient all-reduce "
+            "cannot finish", "set dist.find_unused_parameters=true (DDP then looks for them every step, a little "
+            "slower), or freeze the parameters the loss does not use (requires_grad=False).")
+    return err
 
 
 INTERRUPTED = 130
