@@ -27,7 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch_args(train)
     train.set_defaults(func=_train, command_name="train")
 
-    evaluate = sub.add_parser("eval", help="validate a checkpoint (the run dir's latest, or --resume PATH); prints JSON")
+    evaluate = sub.add_parser(
+        "eval", help="validate a run's checkpoint (its latest, or --resume PATH) with the run's own config; prints JSON",
+        description="hpctrain eval EXPERIMENT [run.dir=RUN_DIR] [--resume PATH] [--nproc-per-node N] [key=value ...]: "
+        "reads RUN_DIR/config.toml (run.dir defaults to runs/EXPERIMENT) unless --config is given; key=value on top.")
     _add_run_args(evaluate)
     _add_launch_args(evaluate)
     evaluate.set_defaults(func=_train, command_name="eval")

@@ -46,3 +46,15 @@ def test_a_fresh_start_sets_an_earlier_attempts_records_aside(tmp_path: Path):
     assert len(kept) == 1 and len(read_jsonl(kept[0])) == 280
     report = run_hpctrain(["report", str(tmp_path)], 120)
     assert report.returncode == 0 and "280" not in report.stdout, report.output
+
+
+def test_eval_reads_the_runs_own_config(tmp_path: Path):
+    """A run trained with other model keys than the experiment's defaults: `hpctrain eval EXP run.dir=RUN` loads it
+    (it used to build the default model and fail with a size mismatch unless given --config RUN/config.toml)."""
+    trained = run_hpctrain(["train", "digits", f"run.dir={tmp_path}", "model.width=8", "train.max_steps=4",
+                            "log.plots=false", "log.tensorboard=false"], 120)
+    assert trained.returncode == 0, trained.output
+    evaluated = run_hpctrain(["eval", "digits", f"run.dir={tmp_path}"], 120)
+    assert evaluated.returncode == 0, evaluated.output
+    metrics = json.loads(evaluated.stdout.strip().splitlines()[-1])
+    assert 0 <= metrics["accuracy"] <= 1

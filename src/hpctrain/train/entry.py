@@ -84,7 +84,13 @@ def resolve_request(req: TrainRequest) -> tuple[type[Experiment], RunConfig]:
         from hpctrain.train.sample import resolve_sample
 
         return resolve_sample(Path(req.experiment), req.overrides)
-    return resolve(req.experiment, req.config_file, req.overrides)
+    cls, cfg = resolve(req.experiment, req.config_file, req.overrides)
+    saved = Path(cfg.run_dir) / "config.toml"
+    if req.command == "eval" and not req.config_file and saved.is_file():
+        # The run's own settings (its [model] keys above all: a run trained with other ones would not load), with
+        # the command line's on top, as export and report read the run dir.
+        return resolve(req.experiment, str(saved), req.overrides)
+    return cls, cfg
 
 
 def train_command(req: TrainRequest) -> int:
