@@ -369,7 +369,9 @@ def test_notes_are_counted_apart_from_warnings(tmp_path, capsys):
                  f"model.shards={tmp_path / 'set'}", "data.stage_dir=$SLURM_TMPDIR", "ckpt.every_minutes=30"]) == 0
     err = capsys.readouterr().err
     assert "INFO    data.stage_dir: $SLURM_TMPDIR is set per node and job" in err
-    assert "hpctrain slurm check: 0 error(s), " in err and "warning(s), 1 note(s)" in err
+    # and the partition checks' note where sinfo cannot answer here (no controller during the unit tests)
+    notes = 1 + ("INFO    slurm.partition: the partition checks" in err)
+    assert "hpctrain slurm check: 0 error(s), " in err and f"warning(s), {notes} note(s)" in err
 
 
 def test_a_bare_interpreter_name_on_path_is_found():
@@ -384,3 +386,30 @@ def test_the_lead_time_hint_does_not_trigger_its_own_warning():
     from hpctrain.slurm.lint import _lead_for
 
     assert [_lead_for(t) for t in (None, 3600, 200, 90, 61, 30)] == [120, 120, 100, 60, 60, 29]
+
+
+def test_skipped_partition_checks_are_said():
+    _, found = findings(facts=Facts(run_dir_fs="nfs4", existing=frozenset({"/usr/bin/python3"}),
+                                    partition_note="sinfo failed: Unable to contact slurm controller"))
+    note = [f for f in found if f.key == "slurm.partition"]
+    assert note and note[0].level == "info"
+    assert note[0].message == ("the partition checks (GPUs, CPUs and memory per node) were skipped: sinfo failed: "
+                               "Unable to contact slurm controller")
+
+
+def test_a_run_dir_that_does_not_exist_is_said_as_such():
+    _, found = findings("run.dir=/shared/runs/x", facts=Facts(run_dir_fs="ext4", run_dir_parent="/",
+                                                              existing=frozenset({"/usr/bin/python3"})))
+    run_dir = [f for f in found if f.key == "run.dir"]
+    assert run_dir and run_dir[0].message.startswith("/shared/runs/x does not exist here, nor does /shared")
+    assert "ext4" not in run_dir[0].message
+
+
+def test_a_node_local_working_directory_with_the_experiment_module_is_a_warning():
+    facts = Facts(run_dir_fs="nfs4", existing=frozenset({"/usr/bin/python3"}), module_file="/tmp/me/mymodule.py",
+                  workdir_fs="tmpfs")
+    cfg_ = cfg("slurm.nodes=2", "ckpt.every_minutes=30")
+    spec = dataclasses.replace(job.job_spec(cfg_), python="/usr/bin/python3", venv="", workdir="/tmp/me")
+    found = [f for f in lint(cfg_, spec, facts) if f.key == "experiment"]
+    assert found and "the job will cd into /tmp/me and import /tmp/me/mymodule.py" in found[0].message
+    assert not [f for f in lint(cfg_, spec, dataclasses.replace(facts, module_file="")) if f.key == "experiment"]

@@ -45,6 +45,15 @@ class Facts:
     """Environment modules (Lmod or Tcl) are set up here."""
     nodes: tuple[NodeFacts, ...] = field(default_factory=tuple)
     """Node types of the partition; empty when sinfo is not available."""
+    partition_note: str = ""
+    """Why the partition's nodes are unknown (no sinfo here, or sinfo's error); '' when sinfo answered."""
+    run_dir_parent: str = ""
+    """When the run dir does not exist here: its nearest existing parent ('/' for a path none of whose folders
+    exist here); '' when it exists."""
+    workdir_fs: str = ""
+    """Filesystem type of the job's working directory."""
+    module_file: str = ""
+    """The file of a module:Class experiment found in the job's working directory ('' when none is there)."""
     data_dirs: tuple[str, ...] = ()
     """The shard folders the training reads (the experiment's shard_dirs), absolute."""
     data_fs: str = ""
@@ -62,23 +71,29 @@ class Facts:
     """Their bytes."""
 
 
-def partition_nodes(partition: str) -> tuple[NodeFacts, ...]:
-    """Node types of a partition from sinfo (CPUs, GPUs from gres, memory, count); () without sinfo."""
+def partition_nodes(partition: str) -> tuple[tuple[NodeFacts, ...], str]:
+    """Node types of a partition from sinfo (CPUs, GPUs from gres, memory, count), and why they are unknown when
+    they are (no sinfo here, a controller sinfo cannot reach, a partition it does not know)."""
     if shutil.which("sinfo") is None:
-        return ()
+        return (), "no sinfo on this machine"
     args = ["sinfo", "--noheader", "--format=%c|%G|%m|%D"] + ([f"--partition={partition}"] if partition else [])
     try:
         proc = subprocess.run(args, capture_output=True, text=True, timeout=20)
-    except (subprocess.TimeoutExpired, OSError):
-        return ()
+    except subprocess.TimeoutExpired:
+        return (), "sinfo did not answer within 20 s (is the controller reachable?)"
+    except OSError as err:
+        return (), f"sinfo could not run: {err}"
+    if proc.returncode != 0:
+        said = (proc.stderr.strip().splitlines() or ["no message"])[0][:200]
+        return (), f"sinfo failed: {said}"
     nodes = []
-    for line in proc.stdout.splitlines() if proc.returncode == 0 else []:
+    for line in proc.stdout.splitlines():
         try:
             cpus, gres, mem, count = line.strip().split("|")
             nodes.append(NodeFacts(int(cpus), gres_gpus(gres), int(mem.rstrip("+")), int(count)))
         except ValueError:
             continue
-    return tuple(nodes)
+    return tuple(nodes), "" if nodes else f"sinfo lists no nodes for {partition or 'the default partition'}"
 
 
 def gres_gpus(gres: str) -> int:
@@ -95,15 +110,42 @@ def gres_gpus(gres: str) -> int:
 def gather_facts(cfg: RunConfig, spec: JobSpec) -> Facts:
     s = cfg.slurm
     paths = [p for p in (spec.python, spec.venv, s.container) if p]
+    nodes, note = partition_nodes(s.partition)
     return Facts(
         run_dir_fs=filesystem_type(Path(spec.run_dir)),
+        run_dir_parent=_nearest_existing(Path(spec.run_dir)),
+        workdir_fs=filesystem_type(Path(spec.workdir)),
+        module_file=_module_file(cfg.experiment, Path(spec.workdir)),
+        partition_note=note,
         # a bare name (slurm.python=python3) counts when it is on PATH here
         existing=frozenset(p for p in paths if Path(p).exists() or ("/" not in p and shutil.which(p))),
         commands=frozenset(c for c in (s.container_runtime,) if shutil.which(c)),
         module_system=module_system_present(),
-        nodes=partition_nodes(s.partition),
+        nodes=nodes,
         **_data_facts(cfg, Path(spec.workdir)),
     )
+
+
+def _nearest_existing(path: Path) -> str:
+    """'' when ``path`` exists; else its nearest existing parent."""
+    path = path.absolute()
+    if path.exists():
+        return ""
+    while not path.exists():
+        path = path.parent
+    return str(path)
+
+
+def _module_file(experiment: str, workdir: Path) -> str:
+    """For a module:Class experiment, its module's file when the working directory holds it (as the job's
+    `python -m hpctrain` finds it there); '' for a built-in experiment or a module found elsewhere."""
+    if ":" not in experiment:
+        return ""
+    parts = experiment.split(":", 1)[0].split(".")
+    for candidate in (workdir.joinpath(*parts).with_suffix(".py"), workdir.joinpath(*parts, "__init__.py")):
+        if candidate.is_file():
+            return str(candidate)
+    return ""
 
 
 def _data_facts(cfg: RunConfig, workdir: Path) -> dict:

@@ -41,7 +41,7 @@ class Finding:
 
 def lint(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
     findings: list[Finding] = []
-    for check in (_batch, _cpus, _srun_share, _time, _run_dir, _environment, _partition, _staging,
+    for check in (_batch, _cpus, _srun_share, _time, _run_dir, _workdir, _environment, _partition, _staging,
                   _shard_local):
         findings += check(cfg, spec, facts)
     return sorted(findings, key=lambda f: ("error", "warning", "info").index(f.level))
@@ -160,9 +160,26 @@ def _quarter_minutes(limit: int) -> float:
     return limit // 240 if limit >= 240 else round(limit / 240, 2) or 0.01
 
 
+def _node_local_dir(path: str) -> str:
+    return next((d for d in NODE_LOCAL_DIRS if path == d or path.startswith(d + "/")), "")
+
+
 def _run_dir(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
     path = spec.run_dir
-    local_dir = next((d for d in NODE_LOCAL_DIRS if path == d or path.startswith(d + "/")), "")
+    local_dir = _node_local_dir(path)
+    if facts.run_dir_parent == "/" and not local_dir:
+        top = "/" + path.strip("/").split("/")[0]
+        return [Finding("warning", "run.dir",
+                        f"{path} does not exist here, nor does {top}: it may be a filesystem mounted on the compute "
+                        "nodes only (then all is well), or a typo (then the job fails at its start)",
+                        f"check the path on a compute node (srun ls -d {top}); hpctrain creates the run dir itself "
+                        "when its parent exists")]
+    if facts.run_dir_parent and not local_dir and facts.run_dir_fs in NODE_LOCAL_FS and cfg.slurm.nodes > 1:
+        return [Finding("warning", "run.dir",
+                        f"{path} does not exist yet; it would be created under {facts.run_dir_parent}, on a "
+                        f"{facts.run_dir_fs} filesystem, which usually exists only on one node: other nodes (and a "
+                        "requeued job on another node) could not see its checkpoints",
+                        "put the run dir on the shared filesystem (home, project or scratch space of the cluster)")]
     if local_dir or (cfg.slurm.nodes > 1 and facts.run_dir_fs in NODE_LOCAL_FS):
         where = f"under {local_dir}" if local_dir else f"on a {facts.run_dir_fs} filesystem"
         return [Finding("warning", "run.dir",
@@ -170,6 +187,20 @@ def _run_dir(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
                         "job on another node) cannot see its checkpoints",
                         "put the run dir on the shared filesystem (home, project or scratch space of the cluster)")]
     return []
+
+
+def _workdir(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
+    """The job cds into the working directory and imports a module:Class experiment from there: a node-local folder
+    (this machine's /tmp) is not where the compute nodes look."""
+    local_dir = _node_local_dir(spec.workdir)
+    if not facts.module_file or not (local_dir or (cfg.slurm.nodes > 1 and facts.workdir_fs in NODE_LOCAL_FS)):
+        return []
+    where = f"under {local_dir}" if local_dir else f"on a {facts.workdir_fs} filesystem"
+    return [Finding("warning", "experiment",
+                    f"the job will cd into {spec.workdir} and import {facts.module_file} from there, but that folder "
+                    f"is {where}, which usually exists only on this machine: the compute nodes will not find it",
+                    "render and submit from a folder on the shared filesystem that holds your module, or install it "
+                    "into the job's environment (pip install -e .)")]
 
 
 def _environment(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
@@ -261,7 +292,11 @@ def page_cache_bytes(s: SlurmSection, facts: Facts) -> int:
 def _partition(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
     s = cfg.slurm
     if not facts.nodes:
-        return []
+        if not facts.partition_note:
+            return []
+        return [Finding("info", "slurm.partition",
+                        f"the partition checks (GPUs, CPUs and memory per node) were skipped: {facts.partition_note}",
+                        "run `hpctrain slurm check` on a login node whose sinfo reaches the cluster's controller")]
     cpus, out, where = cpus_per_task(s), [], _where(s)
     most_gpus = max(n.gpus for n in facts.nodes)
     if s.gpus and most_gpus < s.gpus_per_node:
