@@ -72,3 +72,30 @@ def test_changed_config_keeps_the_earlier_one(tmp_path: Path):
     write_config(tmp_path, "a = 2\n")
     kept = sorted(p.read_text() for p in tmp_path.glob("config*.toml"))
     assert kept == ["a = 1\n", "a = 2\n"] and (tmp_path / "config.toml").read_text() == "a = 2\n"
+
+
+def test_log_lines_go_above_the_progress_bar(monkeypatch):
+    """On a terminal a warning written while the bar is drawn was glued onto its end ('...samples_s=7490]16:07:32
+    INFO ...'): log lines now clear the bar, go on a line of their own, and the bar is drawn again below."""
+    import io
+    import logging
+    import re
+    import sys
+
+    from hpctrain.logs import setup_logging
+    from hpctrain.metrics.sinks import ConsoleSink
+
+    terminal = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    setup_logging()
+    sink = ConsoleSink("bar", total_steps=10, start_step=0)
+    try:
+        sink.write({"split": "train", "step": 3, "loss": 0.5, "samples_per_s": 7490.0})
+        logging.getLogger("hpctrain").warning("something to say")
+        sink.write({"split": "train", "step": 4, "loss": 0.4, "samples_per_s": 7490.0})
+    finally:
+        sink.close()
+        logging.getLogger().handlers.clear()
+    text = terminal.getvalue()
+    assert "something to say" in text
+    assert not re.search(r"[^\r\n]\d\d:\d\d:\d\d WARNING something to say", text), repr(text)

@@ -121,10 +121,16 @@ class ConsoleSink:
     def __init__(self, mode: str, total_steps: int, start_step: int) -> None:
         self.total = total_steps
         self.bar = None
+        self._redirected: list[tuple[logging.StreamHandler, Any]] = []
         if mode == "bar":
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+            # Log lines (warnings, checkpoints) go above the bar: written as they are, they were glued onto its end
+            # ("...samples_s=7490]16:07:32 INFO ...").
+            for handler in logging.getLogger().handlers:
+                if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stderr:
+                    self._redirected.append((handler, handler.setStream(_AboveBars(sys.stderr))))
 
     def write(self, record: dict[str, Any]) -> None:
         if self.bar is not None and record["split"] == "train":
@@ -138,8 +144,27 @@ class ConsoleSink:
             log.info(line)
 
     def close(self) -> None:
+        for handler, stream in self._redirected:
+            handler.setStream(stream)
+        self._redirected.clear()
         if self.bar is not None:
             self.bar.close()
+
+
+class _AboveBars:
+    """A stream whose writes clear tqdm's bars first and redraw them after (tqdm.external_write_mode)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        from tqdm import tqdm
+
+        with tqdm.external_write_mode(file=self.stream):
+            return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
 
 
 class MetricsLogger:
