@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+import textwrap
 from typing import NoReturn, Sequence
 
 from hpctrain import __version__
@@ -49,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="estimate step time and scaling efficiency on N nodes x G GPUs from one "
                           "device's measured step and the bus bandwidth")
     _add_run_args(plan)
-    plan.add_argument("--nodes", type=int, required=True, metavar="N")
+    plan.add_argument("--nodes", type=int, required=True, metavar="N", help="nodes of the planned job (estimates for 1..N)")
     plan.add_argument("--gpus-per-node", type=int, required=True, metavar="G", help="ranks per node")
     plan.add_argument("--busbw", type=float, default=0.0, metavar="GB/s",
                       help="all-reduce bus bandwidth between those ranks (nccl-tests' busbw)")
@@ -402,10 +404,20 @@ def _plan(args: argparse.Namespace) -> int:
 def _experiments(args: argparse.Namespace) -> int:
     from hpctrain.experiments import list_experiments, resolve_experiment
 
-    for name in list_experiments():
-        doc = (resolve_experiment(name).__doc__ or "").strip().splitlines()
-        print(f"{name:14s} {doc[0] if doc else ''}")
+    names = list_experiments()
+    width = max(len(n) for n in names) + 2
+    for name in names:
+        text = first_sentence(resolve_experiment(name).__doc__ or "")
+        lines = textwrap.wrap(text, 118 - width) or [""]
+        print(f"{name:{width}s}{lines[0]}" + "".join(f"\n{'':{width}s}{line}" for line in lines[1:]))
     return 0
+
+
+def first_sentence(doc: str) -> str:
+    """A docstring's first sentence, over as many lines as it takes (the first line alone was often half of one)."""
+    paragraph = " ".join(doc.strip().split("\n\n")[0].split())
+    end = re.search(r"(?<!e\.g)(?<!i\.e)\.(\s|$)", paragraph)
+    return paragraph[:end.start() + 1] if end else paragraph
 
 
 def _rank_prefix() -> str:

@@ -1,5 +1,6 @@
 """Bad input through the real entry point: one-paragraph message, exit 2, no traceback, nothing lost."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -59,12 +60,13 @@ def test_config_describe_lists_keys_with_docs(capsys):
     code, out, _ = run(capsys, "config", "digits", "--describe")
     assert code == 0
     assert "train.global_batch_size = 100" in out and "Samples per optimizer step" in out
-    assert "model.norm = 'batch'" in out
+    assert 'model.norm = "batch"' in out and "train.compile = false" in out  # TOML, as a file or key=value takes it
+    assert "= False" not in out and "= '" not in out
 
 
 def test_experiments_lists_the_built_ins(capsys):
     code, out, _ = run(capsys, "experiments")
-    names = [line.split()[0] for line in out.splitlines()]
+    names = [line.split()[0] for line in out.splitlines() if not line.startswith(" ")]
     assert code == 0 and names == ["ddpm_cifar10", "ddpm_digits", "digits", "faceseg", "faceseg_celebamask"]
 
 
@@ -96,3 +98,16 @@ def test_user_facing_text_cites_the_source_not_a_developers_folder(capsys):
     listing = capsys.readouterr().out
     assert "seeds" not in listing and 'blog post "Multi-Node Distributed Training on HPC"' in listing
     assert "Multi-Node Distributed Training on HPC" in (root / "configs" / "ddpm_cifar10.toml").read_text()
+
+
+def test_experiments_are_listed_with_whole_sentences(capsys):
+    from hpctrain.cli import first_sentence
+
+    doc = "One thing (e.g. this) over\n  two lines. Then more.\n\nDetails."
+    assert first_sentence(doc) == "One thing (e.g. this) over two lines."
+    assert main(["experiments"]) == 0
+    entries = re.split(r"\n(?=\S)", capsys.readouterr().out.strip())
+    assert len(entries) >= 5
+    for entry in entries:
+        text = " ".join(entry.split()[1:])
+        assert text.endswith((".", ".)")), entry

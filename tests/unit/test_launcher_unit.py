@@ -72,3 +72,11 @@ def test_ddps_unused_parameter_error_says_what_to_set():
                                "indices 3 4)")
     other = ValueError("x")
     assert translate_error(other) is other
+
+
+def test_the_done_line_says_which_step_an_earlier_validation_was_at():
+    from hpctrain.train.run import done_val
+
+    assert done_val({"loss": 0.5, "accuracy": 0.9, "iou/x": 1.0}, 14, 14) == "; val loss 0.5000, accuracy 0.9000"
+    assert done_val({"loss": 0.5}, 14, 25) == "; val at step 14: loss 0.5000"  # train.stop_at_step=25
+    assert done_val({}, 0, 25) == ""

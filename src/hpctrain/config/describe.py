@@ -9,6 +9,17 @@ from hpctrain.config.load import _describe, section_classes
 from hpctrain.config.schema import RunConfig, field_docs
 
 
+def toml_value(value: object) -> str:
+    """The value as a TOML file or a key=value override writes it (false, "auto", [1, 2]), not Python's repr."""
+    import tomli_w
+
+    if value is None:
+        return '""'
+    if isinstance(value, tuple):
+        value = list(value)
+    return tomli_w.dumps({"v": value}).split("=", 1)[1].strip()
+
+
 def describe_keys(cfg: RunConfig) -> str:
     lines = []
     for section, cls in section_classes(type(cfg.model)).items():
@@ -17,7 +28,7 @@ def describe_keys(cfg: RunConfig) -> str:
         lines.append(f"[{section}]")
         for f in dataclasses.fields(cls):
             value = getattr(getattr(cfg, section), f.name)
-            lines.append(f"  {section}.{f.name} = {value!r}  ({_describe(hints[f.name])})")
+            lines.append(f"  {section}.{f.name} = {toml_value(value)}  ({_describe(hints[f.name])})")
             lines.append(f"      {docs.get(f.name, '')}")
         lines.append("")
     return "\n".join(lines)

@@ -31,12 +31,15 @@ class LoopResult:
     """The last validation metrics."""
     stop_signal: int
     """The signal that stopped the run early (after its checkpoint); 0 when it ran to its end."""
+    val_step: int = 0
+    """The step of that validation (0: none in this launch)."""
 
 
 def train(ctx: TrainContext) -> LoopResult:
     """Run until ctx.end_step, or until a rank gets a stop signal; returns the last validation metrics."""
     window = _Window(ctx.state.step)
     last_val: dict[str, float] = {}
+    val_step = 0
     ctx.fault.last_save = time.monotonic()
     ctx.model.train()  # once: evaluate() puts the mode back
     while ctx.state.step < ctx.end_step:
@@ -51,10 +54,11 @@ def train(ctx: TrainContext) -> LoopResult:
             ctx.state.advance(ctx.plan.global_batch_size, ctx.sampler.steps_per_epoch)
             window.add(loss, grad_norm)
             val, stop_signal = after_step(ctx, window, epoch_ended=ctx.state.epoch != epoch)
-            last_val = val or last_val
+            if val:
+                last_val, val_step = val, ctx.state.step
             if stop_signal:
-                return LoopResult(last_val, stop_signal)
-    return LoopResult(last_val, 0)
+                return LoopResult(last_val, stop_signal, val_step)
+    return LoopResult(last_val, 0, val_step)
 
 
 def optimizer_step(ctx: TrainContext, batches: Iterator, window: "_Window") -> tuple[torch.Tensor, torch.Tensor | None]:

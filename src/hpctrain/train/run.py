@@ -259,7 +259,7 @@ def run_training(cfg: RunConfig, runtime: Runtime, experiment: Experiment, confi
     watchdog.stop("done")
     ctx.fault.signals.uninstall()
     if runtime.is_main:
-        _finish(ctx, result.val, time.perf_counter() - started)
+        _finish(ctx, result.val, time.perf_counter() - started, result.val_step)
         if ctx.state.step >= ctx.total_steps:
             alerter.send("complete", last_step=ctx.state.step, exit_code=0,
                          detail=", ".join(f"{k} {v:.4g}" for k, v in result.val.items() if "/" not in k))
@@ -388,13 +388,22 @@ def _announce(ctx: TrainContext, resumed) -> None:
         log.info("nothing to do: at step %d, train.stop_at_step=%d", ctx.state.step, ctx.cfg.train.stop_at_step)
 
 
-def _finish(ctx: TrainContext, final: dict[str, float], seconds: float) -> None:
+def _finish(ctx: TrainContext, final: dict[str, float], seconds: float, val_step: int = 0) -> None:
     run_dir = Path(ctx.cfg.run_dir)
     if ctx.cfg.log.plots and (run_dir / "metrics.jsonl").exists():
         path = plot_training(read_metrics(run_dir / "metrics.jsonl"), run_dir / "plots" / "training.png", ctx.cfg.run_name)
         log.info("plot: %s", path)
+    log.info("done: step %d in %.1f s%s; run dir %s", ctx.state.step, seconds, done_val(final, val_step, ctx.state.step),
+             run_dir)
+
+
+def done_val(final: dict[str, float], val_step: int, step: int) -> str:
+    """'; val loss 0.0076, accuracy 1.0000' for a validation at the last step; with its step when it was earlier
+    (train.stop_at_step between two validations): '; val at step 14: ...'."""
     shown = ", ".join(f"{k} {v:.4f}" for k, v in final.items() if "/" not in k)  # details: in the table above
-    log.info("done: step %d in %.1f s%s; run dir %s", ctx.state.step, seconds, f"; val {shown}" if shown else "", run_dir)
+    if not shown:
+        return ""
+    return f"; val {shown}" if val_step in (0, step) else f"; val at step {val_step}: {shown}"
 
 
 def run_evaluation(cfg: RunConfig, runtime: Runtime, experiment: Experiment, config_text: str) -> dict[str, float]:
