@@ -99,3 +99,24 @@ def test_log_lines_go_above_the_progress_bar(monkeypatch):
     text = terminal.getvalue()
     assert "something to say" in text
     assert not re.search(r"[^\r\n]\d\d:\d\d:\d\d WARNING something to say", text), repr(text)
+
+
+def test_the_local_reports_fourth_panel_shows_validation_metrics():
+    """A local run has no node monitors: the overview's CPU panel was empty and unlabelled while accuracy was nowhere."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from hpctrain.monitor.report import plot_val_metrics
+
+    records = [{"split": "val", "step": s, "loss": 1.0 / s, "accuracy": 0.5 + s / 100, "iou/x": 0.1} for s in (10, 20)]
+    fig, ax = plt.subplots()
+    plot_val_metrics(ax, records + [{"split": "train", "step": 5, "loss": 2.0}])
+    assert ax.get_title() == "validation metrics" and [line.get_label() for line in ax.lines] == ["accuracy"]
+    assert list(ax.lines[0].get_xdata()) == [10, 20]
+    fig2, empty = plt.subplots()
+    plot_val_metrics(empty, [])
+    assert empty.get_title() == "validation metrics: none logged"
+    plt.close(fig)
+    plt.close(fig2)

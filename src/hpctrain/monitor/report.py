@@ -117,11 +117,13 @@ def _plot_overview(data: RunData, out: Path) -> Path:
     ax.plot(x, y, "-")
     ax.set(title="throughput (samples/s, all ranks)", xlabel="optimizer step")
     ax = axes[1, 0]
-    for host, top in sorted(data.top.items()):
-        ax.plot(top.seconds, top.cpu_busy, label=host)
-    ax.set(title="CPU busy per node (%)", xlabel="seconds since the node's launcher started", ylim=(0, 105))
     if data.top:
+        for host, top in sorted(data.top.items()):
+            ax.plot(top.seconds, top.cpu_busy, label=host)
+        ax.set(title="CPU busy per node (%)", xlabel="seconds since the node's launcher started", ylim=(0, 105))
         ax.legend()
+    else:  # a run without the job's node monitors (a local one): its validation metrics instead of an empty panel
+        plot_val_metrics(ax, data.records)
     ax = axes[1, 1]
     for host, table in sorted(data.dmon.items()):
         for gpu in table.gpus():
@@ -135,6 +137,18 @@ def _plot_overview(data: RunData, out: Path) -> Path:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def plot_val_metrics(ax, records: list[dict]) -> None:
+    """Every validation metric but the loss (accuracy, mIoU, ...; not per-class details) against the step."""
+    names = sorted({k for r in records if r.get("split") == "val" for k, v in r.items()
+                    if isinstance(v, (int, float)) and k not in ("step", "epoch", "time", "loss") and "/" not in k})
+    for name in names:
+        x, y = series(records, "val", name)
+        ax.plot(x, y, "o-", label=name)
+    ax.set(title="validation metrics" if names else "validation metrics: none logged", xlabel="optimizer step")
+    if names:
+        ax.legend()
 
 
 def _plot_gpus(data: RunData, out: Path) -> Path:
