@@ -111,3 +111,10 @@ def test_experiments_are_listed_with_whole_sentences(capsys):
     for entry in entries:
         text = " ".join(entry.split()[1:])
         assert text.endswith((".", ".)")), entry
+
+
+def test_every_plan_option_is_described(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    out = capsys.readouterr().out
+    assert "--nodes N          nodes of the planned job" in out
