@@ -84,23 +84,39 @@ def _forward(signum: int, _frame) -> None:
         except ProcessLookupError:
             pass
     if signum == signal.SIGTERM:
-        signal.signal(signal.SIGALRM, _kill_children)
-        signal.alarm(TERM_GRACE_S)
+        _kill_children_in(TERM_GRACE_S)
+
+
+def _kill_children_in(seconds: int) -> None:
+    """SIGKILL to the workers ``seconds`` from now, or sooner if already due sooner (a later signal never gives a
+    stuck worker more time)."""
+    signal.signal(signal.SIGALRM, _kill_children)
+    left = signal.alarm(0)
+    signal.alarm(min(left, seconds) if left else seconds)
 
 
 class _Interrupts:
     """Ctrl-C: the first is forwarded (the workers stop at a step boundary with a checkpoint), the second too (the
-    workers' KeyboardInterrupt), with SIGKILL INTERRUPT_GRACE_S later for a worker that does not leave."""
+    workers' KeyboardInterrupt), with SIGKILL INTERRUPT_GRACE_S later for a worker that does not leave. Two SIGINTs
+    within SAME_PRESS_S are one press (under Slurm the step's signal reaches this process and the workers alike)."""
 
     count = 0
+    first_at = 0.0
 
     @classmethod
     def handle(cls, signum: int, frame) -> None:
+        import time
+
+        from hpctrain.fault.signals import SAME_PRESS_S
+
+        now = time.monotonic()
+        if cls.count and now - cls.first_at <= SAME_PRESS_S:
+            return  # the same press again: the workers have it
         cls.count += 1
+        cls.first_at = cls.first_at or now
         _forward(signum, frame)
-        if cls.count > 1:
-            signal.signal(signal.SIGALRM, _kill_children)
-            signal.alarm(INTERRUPT_GRACE_S)
+        if cls.count == 2:
+            _kill_children_in(INTERRUPT_GRACE_S)
 
 
 def describe_exit(code: int) -> str:
@@ -127,8 +143,9 @@ def failure_message(failure, full: bool = False) -> str:
         return f"{lines[-2]} ({lines[-1]})"[:500]
     # The exception's own line, not the advice torch appends below it ("In addition, you can set the environment
     # variable TORCH_DISTRIBUTED_DEBUG ..."); the last one where exceptions are chained.
+    # torch's error file holds "Type: message" first; a later line that looks like one is part of the message
     errors = [line for line in lines if ERROR_LINE.match(line)]
-    return (errors[-1] if errors else lines[0])[:500]
+    return (lines[0] if ERROR_LINE.match(lines[0]) else errors[-1] if errors else lines[0])[:500]
 
 
 ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Failure)\b.*?: ")

@@ -203,18 +203,27 @@ def test_ctrl_c_stops_every_rank_with_a_checkpoint_and_exit_130(tmp_path: Path):
 
 
 def test_a_second_ctrl_c_stops_at_once(tmp_path: Path):
+    """Rank 0 hangs inside a step (fault injection): the first Ctrl-C waits for a step boundary that never comes;
+    a second, a moment later, stops the run at once (KeyboardInterrupt; SIGKILL for a rank stuck in a collective)."""
     run_dir = tmp_path / "run"
-    # a checkpoint every step would be slow enough to press again during it; the second press must not wait
-    proc = start_long_run(run_dir)
+    env = {**os.environ, "PYTHONPATH": str(TESTS), "HPCTRAIN_FAULT": "hang:rank=0:step=3:seconds=600"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpctrain", "train", "digits", "--nproc-per-node", "2", f"run.dir={run_dir}",
+         "train.epochs=500", "log.every_steps=1", "log.plots=false", "log.tensorboard=false"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         wait_for_training(proc, run_dir)
+        time.sleep(1.0)
         proc.send_signal(signal.SIGINT)
+        time.sleep(2.0)  # more than one press apart (two within a second are one press delivered twice)
+        assert proc.poll() is None, proc.stdout.read()  # the first press alone waits for the step boundary
         proc.send_signal(signal.SIGINT)
         code = proc.wait(timeout=40)
         output = proc.stdout.read()
         assert code == 130, output
-        assert output.count("hpctrain: interrupted (Ctrl-C): all 2 workers stopped") == 1, output
-        assert "SignalException" not in output
+        assert output.count("hpctrain: interrupted (Ctrl-C): all 2 workers stopped;") == 1, output
+        assert "at a step boundary" not in output and "SignalException" not in output
+        assert not list((run_dir / "checkpoints").glob("step_*"))
         assert not wait_gone(run_dir, 30)
     finally:
         if proc.poll() is None:

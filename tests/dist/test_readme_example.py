@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import TESTS, read_jsonl, run_hpctrain
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
 README = TESTS.parent / "README.md"
 

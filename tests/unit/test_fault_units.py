@@ -33,7 +33,7 @@ def test_signal_handler_only_records():
     finally:
         signals.uninstall()
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
-    assert stop_signal_names("none") == ["SIGTERM"]
+    assert stop_signal_names("none") == ["SIGTERM", "SIGINT"]
 
 
 def test_vote_is_collected_one_boundary_later():
@@ -227,3 +227,68 @@ def test_after_a_stop_signals_are_ignored_not_handled_in_python():
     finally:
         signals.uninstall()
     assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
+
+
+def test_ctrl_c_once_stops_with_a_checkpoint_twice_stops_at_once_and_never_masks_a_preemption(monkeypatch):
+    import signal as sig
+
+    import pytest
+
+    from hpctrain.fault import signals as mod
+    from hpctrain.fault.signals import StopSignals
+
+    clock = [100.0]
+    monkeypatch.setattr(mod.time, "monotonic", lambda: clock[0])
+    s = StopSignals()
+    s._handle(sig.SIGINT, None)
+    assert s.received == sig.SIGINT
+    clock[0] += 0.05
+    s._handle(sig.SIGINT, None)  # the same press delivered twice (Slurm signals every process, the launcher forwards)
+    clock[0] += 2.0
+    with pytest.raises(KeyboardInterrupt):
+        s._handle(sig.SIGINT, None)  # a second press
+    t = StopSignals()
+    t._handle(sig.SIGTERM, None)
+    t._handle(sig.SIGINT, None)
+    assert t.received == sig.SIGTERM  # the cluster's stop keeps its meaning: requeue, not "the user stopped it"
+
+
+def test_the_vote_ranks_ctrl_c_below_every_cluster_stop():
+    import signal as sig
+
+    from hpctrain.fault.vote import _priority
+
+    assert max(_priority(sig.SIGINT), _priority(sig.SIGHUP)) == _priority(sig.SIGHUP)
+    assert max(_priority(sig.SIGINT), _priority(0)) == _priority(sig.SIGINT)
+
+
+def test_one_process_vote_returns_ctrl_c_as_sigint():
+    import signal as sig
+
+    import torch
+
+    from hpctrain.dist.runtime import single_process_runtime
+    from hpctrain.fault.vote import StepVote
+
+    vote = StepVote(single_process_runtime(torch.device("cpu")))
+    vote.cast(sig.SIGINT, False)
+    assert vote.collect().stop_signal == sig.SIGINT
+
+
+def test_the_launcher_counts_one_press_once(monkeypatch):
+    from hpctrain import launch
+
+    forwarded, clock = [], [50.0]
+    monkeypatch.setattr(launch, "_forward", lambda signum, frame: forwarded.append(signum))
+    monkeypatch.setattr(launch, "_kill_children_in", lambda seconds: forwarded.append(("kill in", seconds)))
+    monkeypatch.setattr("time.monotonic", lambda: clock[0])
+    monkeypatch.setattr(launch._Interrupts, "count", 0)
+    monkeypatch.setattr(launch._Interrupts, "first_at", 0.0)
+    launch._Interrupts.handle(2, None)
+    clock[0] += 0.1
+    launch._Interrupts.handle(2, None)  # the same press
+    assert forwarded == [2] and launch._Interrupts.count == 1
+    clock[0] += 3
+    launch._Interrupts.handle(2, None)
+    launch._Interrupts.handle(2, None)  # a third press does not push the kill further away
+    assert forwarded == [2, 2, ("kill in", launch.INTERRUPT_GRACE_S), 2]

@@ -39,3 +39,19 @@ def test_the_loader_bound_advice_fits_the_data_set():
     assert advice.startswith("The data set is in memory: the per-batch work is the transform's")
     advice = loader_advice(build_loader(files, batches, dataclasses.replace(DataSection(), num_workers=1), RUNTIME))
     assert advice.startswith("With data.num_workers=1: raise it")
+
+
+def test_an_in_memory_set_with_augmentation_keeps_its_workers_on_a_gpu():
+    """DDPM's CIFAR-10 is a TensorDataset with per-sample flips: on a GPU node the workers run the flips beside the
+    GPU's step; on a CPU they would take the cores the model computes on."""
+    memory = TensorDataset(torch.zeros(8, 2))
+    on_gpu = dataclasses.replace(RUNTIME, device=torch.device("cuda", 0))
+    assert auto_workers(on_gpu, memory, transform=lambda s, g: s) == auto_workers(on_gpu)
+    assert auto_workers(on_gpu, memory) == 0 and auto_workers(RUNTIME, memory, transform=lambda s, g: s) == 0
+
+
+def test_data_on_device_gets_advice_about_the_device_not_workers():
+    class DeviceLoader:  # data.on_device: no workers, no dataset attribute
+        pass
+
+    assert loader_advice(DeviceLoader()).startswith("With data.on_device=true the batches are cut on the device")

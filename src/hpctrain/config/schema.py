@@ -89,7 +89,8 @@ class DataSection:
     augment: bool = True
     """Apply the experiment's training augmentation. Its randomness comes from (seed, epoch, sample index)."""
     num_workers: int = -1
-    """Data-loader worker processes per rank; -1 picks from the CPUs this process may use."""
+    """Data-loader worker processes per rank; -1 picks from the CPUs this process may use (none for an in-memory data
+    set without a per-sample transform, or on a CPU run)."""
     pin_memory: bool = True
     """Pin host memory for faster, asynchronous copies to the GPU (ignored on CPU)."""
     persistent_workers: bool = True

@@ -283,17 +283,20 @@ def in_memory(dataset: Any) -> bool:
     return False
 
 
-def auto_workers(runtime: Runtime, dataset: Any = None) -> int:
-    """Worker processes per rank: none for an in-memory data set; else from the CPUs this process may use, shared by
-    the ranks of the node, one CPU left for the rank's own process; at most 8 (more rarely helps and costs memory)."""
-    if dataset is not None and in_memory(dataset):
+def auto_workers(runtime: Runtime, dataset: Any = None, transform: Any = None) -> int:
+    """Worker processes per rank: none for an in-memory data set without a per-sample transform, or with one when
+    training on the CPU (workers would take the cores the model computes on); else from the CPUs this process may
+    use, shared by the ranks of the node, one CPU left for the rank's own process; at most 8 (more rarely helps and
+    costs memory). An in-memory set with augmentation on a GPU (DDPM's flips of CIFAR-10) keeps its workers: there
+    the transform is the host's work that overlaps the GPU's."""
+    if dataset is not None and in_memory(dataset) and (transform is None or runtime.device.type == "cpu"):
         return 0
     per_rank = cpus_available() // max(1, runtime.local_world_size)
     return max(0, min(8, per_rank - 1))
 
 
-def loader_kwargs(cfg: DataSection, runtime: Runtime, dataset: Any = None) -> dict[str, Any]:
-    workers = auto_workers(runtime, dataset) if cfg.num_workers < 0 else cfg.num_workers
+def loader_kwargs(cfg: DataSection, runtime: Runtime, dataset: Any = None, transform: Any = None) -> dict[str, Any]:
+    workers = auto_workers(runtime, dataset, transform) if cfg.num_workers < 0 else cfg.num_workers
     kwargs: dict[str, Any] = {
         "num_workers": workers,
         "pin_memory": cfg.pin_memory and runtime.device.type == "cuda",
@@ -315,5 +318,5 @@ def build_loader(
     counting = cfg.on_error == "skip"
     collate = SkipAwareCollate(collate_fn) if counting else collate_fn
     loader = DataLoader(keyed, batch_sampler=batch_sampler, collate_fn=collate,
-                        **loader_kwargs(cfg, runtime, dataset))
+                        **loader_kwargs(cfg, runtime, dataset, transform if cfg.augment else None))
     return SkipCountingLoader(loader, counting)

@@ -11,6 +11,11 @@ import time
 from types import FrameType
 
 
+SAME_PRESS_S = 1.0
+"""Two SIGINTs this close are one Ctrl-C: under Slurm every process of the step gets the signal and hpctrain's
+torchrun wrapper forwards it too, so a rank sees one press twice within milliseconds."""
+
+
 class StopSignals:
     """Records the last stop signal received (its number; 0 for none). SIGINT (Ctrl-C) is one too: the first stops
     the run at the next step boundary with a checkpoint, as SIGTERM does; a second raises KeyboardInterrupt there and
@@ -18,15 +23,25 @@ class StopSignals:
 
     def __init__(self) -> None:
         self.received = 0
+        self.interrupted_at = 0.0
+        """time.monotonic() of the first SIGINT (0: none)."""
         self.received_at = 0.0
         """time.monotonic() of the first stop signal: how long the stop took is said in the log."""
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
-        if signum == signal.SIGINT and self.received == signal.SIGINT:
-            raise KeyboardInterrupt  # the second Ctrl-C: stop at once
+        now = time.monotonic()
+        if signum == signal.SIGINT:
+            first = self.interrupted_at
+            if first and now - first > SAME_PRESS_S:
+                raise KeyboardInterrupt  # the second Ctrl-C: stop at once
+            self.interrupted_at = first or now
+            # A stop the cluster asked for (SIGTERM at the time limit, a preemption warning) keeps its meaning:
+            # requeue and alert, not "the user stopped it".
+            if self.received and self.received != signal.SIGINT:
+                return
         self.received = signum
-        self.received_at = self.received_at or time.monotonic()
+        self.received_at = self.received_at or now
 
     def install(self, names: list[str]) -> "StopSignals":
         for name in names:

@@ -24,6 +24,7 @@ and a device synchronisation each step, so the host cannot queue step k+1 while 
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +51,7 @@ class StepVote:
         self._on_gpu = runtime.backend == "nccl"
 
     def cast(self, stop_signal: int, save_due: bool) -> None:
-        flags = torch.tensor([float(stop_signal), float(save_due)])
+        flags = torch.tensor([_priority(stop_signal), float(save_due)])
         if not self.runtime.distributed:
             self._pending = (flags, None)
         elif self._on_gpu:
@@ -79,4 +80,13 @@ class StepVote:
         elif waitable is not None:
             waitable.wait()  # type: ignore[attr-defined]  # gloo: the training group's timeout applies
         stop, due = flags.tolist()
-        return Verdict(int(stop), bool(due))
+        return Verdict(signal.SIGINT if stop == CTRL_C else int(stop), bool(due))
+
+
+CTRL_C = 0.5
+"""SIGINT's value in the MAX vote: below every other stop signal, so that when one rank was interrupted by the user
+and another preempted by the cluster (SIGTERM, SIGHUP, the warning signal), all act on the cluster's stop."""
+
+
+def _priority(stop_signal: int) -> float:
+    return CTRL_C if stop_signal == signal.SIGINT else float(stop_signal)

@@ -89,7 +89,8 @@ def resolve_request(req: TrainRequest) -> tuple[type[Experiment], RunConfig]:
     if req.command == "eval" and not req.config_file and saved.is_file():
         # The run's own settings (its [model] keys above all: a run trained with other ones would not load), with
         # the command line's on top, as export and report read the run dir.
-        return resolve(req.experiment, str(saved), req.overrides)
+        # this run dir's checkpoints (its latest), not what the saved config resumed from when it trained
+        return resolve(req.experiment, str(saved), ("ckpt.resume=auto", f"run.dir={cfg.run_dir}", *req.overrides))
     return cls, cfg
 
 

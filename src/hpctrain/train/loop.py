@@ -299,6 +299,9 @@ def loader_advice(loader) -> str:
     workers = getattr(loader, "num_workers", None)
     if workers is None and hasattr(loader, "loader"):
         workers = loader.loader.num_workers
+    if workers is None:  # data.on_device: batches are cut from the data on the device, no loader processes
+        return ("With data.on_device=true the batches are cut on the device: the wait is the device transform's or "
+                "the host's launching of it, not loading.")
     dataset = getattr(loader, "dataset", None)
     raw = getattr(dataset, "base", dataset)  # KeyedDataset wraps the experiment's own
     if raw is not None and in_memory(raw):

@@ -54,6 +54,10 @@ def set_aside_records(run_dir: Path) -> list[Path]:
         if path.exists():
             stem, dot, suffix = name.partition(".")
             target = run_dir / (f"{stem}.{stamp}{dot}{suffix}" if dot else f"{name}.{stamp}")
+            n = 1
+            while target.exists():  # two fresh starts within a second: never onto an earlier attempt's
+                n += 1
+                target = run_dir / (f"{stem}.{stamp}-{n}{dot}{suffix}" if dot else f"{name}.{stamp}-{n}")
             os.replace(path, target)
             moved.append(target)
     return moved
