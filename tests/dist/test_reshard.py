@@ -58,12 +58,14 @@ def test_a_run_moves_between_strategies_and_sizes_and_continues_as_uninterrupted
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=1e-5), (step, [c for c in CHAIN if c[2] >= step][:1])
     assert want[30] < want[1] - 0.1  # the losses move, or agreeing would prove nothing
-    # The weights and the EMA weights at the end agree too (written by zero1 on 1 process, against ddp on 2).
+    # The weights and the EMA weights at the end agree too (written by zero1 on 1 process, against ddp on 2), to the
+    # noise of float32 sums in another order through 30 Adam steps: up to 7.7e-6 on an AVX-512 VM (2026-11-26; the
+    # test's first tolerance, 1e-6, held on the VM it was written on), on weights of magnitude 0.01 to 1.
     for part in ("model", "ema"):
         mine, theirs = checkpoint_tensors(latest_checkpoint(run_dir), part), checkpoint_tensors(latest_checkpoint(straight), part)
         assert mine.keys() == theirs.keys()
         for key in theirs:
-            torch.testing.assert_close(mine[key].float(), theirs[key].float(), rtol=1e-4, atol=1e-6, msg=f"{part} {key}")
+            torch.testing.assert_close(mine[key].float(), theirs[key].float(), rtol=1e-4, atol=2e-5, msg=f"{part} {key}")
 
 
 def test_preemption_under_fsdp_saves_every_shard_at_one_step_and_resumes_exactly(tmp_path: Path):
