@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -82,7 +83,19 @@ def exchange(store, launch: LaunchInfo, mine: str, timeout_s: float) -> list[dic
         store.set(f"{prefix}/verdict/{launch.node_rank}", json.dumps(node.verdict()))
     verdicts = [f"{prefix}/verdict/{n}" for n in range(launch.num_nodes)]
     _wait(store, verdicts, timeout_s, "nodes")
-    return [json.loads(store.get(k).decode()) for k in verdicts]
+    found = [json.loads(store.get(k).decode()) for k in verdicts]
+    # Rank 0 hosts the store under srun (tcp://): it stays until every rank has read, so that a refusal all ranks
+    # raise reaches each of them as the message, not as a lost connection to a store that went away.
+    store.add(f"{prefix}/read", 1)
+    if launch.rank == 0:
+        _wait_count(store, f"{prefix}/read", launch.world_size, timeout_s)
+    return found
+
+
+def _wait_count(store, key: str, count: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while store.add(key, 0) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _wait(store, keys: list[str], timeout_s: float, what: str) -> None:
