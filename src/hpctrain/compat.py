@@ -38,9 +38,6 @@ def installed_torch() -> str:
         return torch.__version__
 
 
-TORCH = parse_version(installed_torch())
-
-
 def check_torch(version: str | None = None) -> None:
     """Refuse a torch below the floor at start-up, with what to upgrade, instead of an AttributeError mid-run."""
     version = version or installed_torch()

@@ -29,12 +29,14 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun
 
 from hpctrain.dist.env import mark_agent_environment
+from hpctrain.fault.signals import SAME_PRESS_S
 from hpctrain.monitor.sidecars import node_monitors
 
 FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
@@ -105,10 +107,6 @@ class _Interrupts:
 
     @classmethod
     def handle(cls, signum: int, frame) -> None:
-        import time
-
-        from hpctrain.fault.signals import SAME_PRESS_S
-
         now = time.monotonic()
         if cls.count and now - cls.first_at <= SAME_PRESS_S:
             return  # the same press again: the workers have it
@@ -142,8 +140,8 @@ def failure_message(failure, full: bool = False) -> str:
     if len(lines) > 1 and lines[-1].startswith("HINT: "):
         return f"{lines[-2]} ({lines[-1]})"[:500]
     # The exception's own line, not the advice torch appends below it ("In addition, you can set the environment
-    # variable TORCH_DISTRIBUTED_DEBUG ..."); the last one where exceptions are chained.
-    # torch's error file holds "Type: message" first; a later line that looks like one is part of the message
+    # variable TORCH_DISTRIBUTED_DEBUG ..."): torch's error file holds "Type: message" first (a later line that looks
+    # like one is part of the message); a traceback's is its last such line.
     errors = [line for line in lines if ERROR_LINE.match(line)]
     return (lines[0] if ERROR_LINE.match(lines[0]) else errors[-1] if errors else lines[0])[:500]
 

@@ -26,12 +26,13 @@ def processes_mentioning(text: str) -> list[int]:
     return pids
 
 
-def start_long_run(run_dir: Path, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(TESTS)}
+def start_long_run(run_dir: Path, *extra: str, nproc: int = 2, env: dict | None = None) -> subprocess.Popen:
+    launch = ["--nproc-per-node", str(nproc)] if nproc > 1 else []
     return subprocess.Popen(
-        [sys.executable, "-m", "hpctrain", "train", "digits", "--nproc-per-node", "2", f"run.dir={run_dir}",
+        [sys.executable, "-m", "hpctrain", "train", "digits", *launch, f"run.dir={run_dir}",
          "train.epochs=500", "log.every_steps=1", "log.plots=false", "log.tensorboard=false", *extra],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(TESTS), **(env or {})}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
 
 
@@ -206,11 +207,7 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path: Path):
     """Rank 0 hangs inside a step (fault injection): the first Ctrl-C waits for a step boundary that never comes;
     a second, a moment later, stops the run at once (KeyboardInterrupt; SIGKILL for a rank stuck in a collective)."""
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(TESTS), "HPCTRAIN_FAULT": "hang:rank=0:step=3:seconds=600"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hpctrain", "train", "digits", "--nproc-per-node", "2", f"run.dir={run_dir}",
-         "train.epochs=500", "log.every_steps=1", "log.plots=false", "log.tensorboard=false"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = start_long_run(run_dir, env={"HPCTRAIN_FAULT": "hang:rank=0:step=3:seconds=600"})
     try:
         wait_for_training(proc, run_dir)
         time.sleep(1.0)
@@ -235,11 +232,7 @@ def test_ctrl_c_on_one_process_with_loader_workers_saves_and_resumes(tmp_path: P
     """One process, no torchrun: the terminal's SIGINT reaches the rank and its loader workers (one process
     group); the workers must not die of it before the rank has saved."""
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(TESTS)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hpctrain", "train", "digits", f"run.dir={run_dir}", "train.epochs=500",
-         "log.every_steps=1", "log.plots=false", "log.tensorboard=false", "data.num_workers=2"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = start_long_run(run_dir, "data.num_workers=2", nproc=1)
     try:
         wait_for_training(proc, run_dir)
         os.killpg(proc.pid, signal.SIGINT)

@@ -85,12 +85,12 @@ def resolve_request(req: TrainRequest) -> tuple[type[Experiment], RunConfig]:
 
         return resolve_sample(Path(req.experiment), req.overrides)
     cls, cfg = resolve(req.experiment, req.config_file, req.overrides)
-    saved = Path(cfg.run_dir) / "config.toml"
-    if req.command == "eval" and not req.config_file and saved.is_file():
-        # The run's own settings (its [model] keys above all: a run trained with other ones would not load), with
-        # the command line's on top, as export and report read the run dir.
-        # this run dir's checkpoints (its latest), not what the saved config resumed from when it trained
-        return resolve(req.experiment, str(saved), ("ckpt.resume=auto", f"run.dir={cfg.run_dir}", *req.overrides))
+    if req.command == "eval" and not req.config_file and (Path(cfg.run_dir) / "config.toml").is_file():
+        # The run's own settings (its [model] keys above all: a run trained with other ones would not load) and its
+        # own latest checkpoint, with the command line's on top: as sample, export and report read a run dir.
+        from hpctrain.train.sample import resolve_run
+
+        return resolve_run(Path(cfg.run_dir), req.overrides)
     return cls, cfg
 
 
