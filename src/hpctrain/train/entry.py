@@ -7,8 +7,6 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.errors import record
-
 from hpctrain.checkpoint.manager import select_checkpoint
 from hpctrain.config import config_to_toml, load_config, plan_batches
 from hpctrain.config.schema import RunConfig
@@ -17,6 +15,7 @@ from hpctrain.dist.launcher import run_forwarding_signals, torchrun_command
 from hpctrain.dist.runtime import distributed_session
 from hpctrain.experiments import Experiment, resolve_experiment
 from hpctrain.fault.alerts import resolve_webhook
+from hpctrain.fault.error_file import record_errors
 from hpctrain.logs import setup_logging
 from hpctrain.train.rundir import ensure_writable
 from hpctrain.train.state import continue_with_batch, read_state
@@ -114,7 +113,7 @@ def unstaged(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, stage_dir=""))
 
 
-@record  # torchrun's error file: the launcher's failure report and alert then carry this rank's error
+@record_errors  # torchrun's error file (written atomically): the launcher's failure report and alert then carry this rank's error
 def _train_here(cls: type[Experiment], cfg: RunConfig, launch: LaunchInfo, req: TrainRequest) -> int:
     setup_logging(launch.rank, launch.world_size, launch.hostname, req.debug)
     if req.nproc_per_node and launch.launcher != "single" and req.nproc_per_node != launch.local_world_size:
