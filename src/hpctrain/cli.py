@@ -446,6 +446,12 @@ def entry_point() -> NoReturn:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
+    from hpctrain.dist.env import under_hpctrain_agent
+
+    if under_hpctrain_agent():
+        from hpctrain.dist.launcher import stop_with_launcher
+
+        stop_with_launcher()
     try:
         check_torch()
         return args.func(args)
@@ -455,8 +461,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hpctrain: error: {_rank_prefix()}{err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        from hpctrain.dist.env import under_hpctrain_agent
-
         if not under_hpctrain_agent():  # a worker's launcher says it once for all of them
             print("hpctrain: interrupted", file=sys.stderr)
         return 130

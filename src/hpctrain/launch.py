@@ -31,11 +31,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Sequence
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun
 
 from hpctrain.dist.env import mark_agent_environment
+from hpctrain.dist.launcher import torchrun_args
 from hpctrain.fault.signals import SAME_PRESS_S
 from hpctrain.monitor.sidecars import node_monitors
 
@@ -180,9 +182,10 @@ def first_failure(err: ChildFailedError):
     return min(err.failures.items(), key=lambda kv: (is_consequence(kv[1]), kv[1].timestamp, kv[0]))
 
 
-def report(err: ChildFailedError) -> int:
+def report(err: ChildFailedError, cfg=None) -> int:
+    """One line for the failure, the alert, and the exit code; ``cfg``: the run's config when the caller has it."""
     rank, first = first_failure(err)
-    cfg = _run_config()
+    cfg = cfg if cfg is not None else _run_config()
     codes = {f.exitcode for f in err.failures.values()}
     if _Interrupts.count and codes <= {INTERRUPTED, -signal.SIGINT, -signal.SIGKILL, -signal.SIGTERM}:
         saved = "" if _Interrupts.count > 1 else " at a step boundary with a checkpoint"
@@ -230,7 +233,8 @@ def _last_step(run_dir: Path, rank: int) -> int:
         return -1
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, cfg=None) -> int:
+    """torchrun with ``argv`` (sys.argv's by default); ``cfg``: the run's config, else read from the command line."""
     mark_agent_environment()
     # torchrun copies the failing worker's error file here; without one it logs that it has nowhere to copy.
     error_dir = tempfile.mkdtemp(prefix="hpctrain-torchrun-")
@@ -240,17 +244,24 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not any(a.startswith(("--signals-to-handle", "--signals_to_handle")) for a in argv):
         argv.insert(0, "--signals-to-handle=SIGQUIT")
-    for sig in FORWARDED:
-        signal.signal(sig, _forward)
-    signal.signal(signal.SIGINT, _Interrupts.handle)
+    previous = {sig: signal.signal(sig, _forward) for sig in FORWARDED}
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, _Interrupts.handle)
     try:
         with node_monitors():  # only inside a job script that asked for them
             torchrun(argv)
     except ChildFailedError as err:
-        return report(err)
+        return report(err, cfg)
     finally:
         shutil.rmtree(error_dir, ignore_errors=True)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
+
+
+def launch_local(nproc_per_node: int, module_args: Sequence[str], cfg=None) -> int:
+    """`hpctrain train|eval|sample|doctor --nproc-per-node N`: torchrun in this process, which has imported torch
+    already; a child process for it cost one more Python start and torch import per launch (about 2.5 s here)."""
+    return main(torchrun_args(nproc_per_node, module_args), cfg)
 
 
 if __name__ == "__main__":

@@ -55,3 +55,47 @@ def test_data_on_device_gets_advice_about_the_device_not_workers():
         pass
 
     assert loader_advice(DeviceLoader()).startswith("With data.on_device=true the batches are cut on the device")
+
+
+PROBE_DATASET = """
+import os
+import torch
+from torch.utils.data import Dataset
+
+class HelperHasTorch(Dataset):
+    def __init__(self):
+        self.rank_pid = os.getpid()
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        maps = open(f"/proc/{os.getppid()}/maps").read()
+        return torch.tensor([int("libtorch_cpu" in maps), int(os.getppid() != self.rank_pid)])
+"""
+
+PROBE = """
+import dataclasses, torch
+from hpctrain.config.schema import DataSection
+from hpctrain.data.loader import build_loader
+from hpctrain.dist.runtime import single_process_runtime
+from probe_dataset import HelperHasTorch
+
+cfg = dataclasses.replace(DataSection(), num_workers=1, worker_start="forkserver")
+loader = build_loader(HelperHasTorch(), [[0, 1]], cfg, single_process_runtime(torch.device("cpu")))
+print(next(iter(loader))[0].tolist())
+"""
+
+
+def test_forkserver_workers_start_from_a_helper_that_has_imported_torch(tmp_path):
+    """Each worker forked from the helper finds torch loaded (libtorch mapped in its parent, the helper) instead of
+    importing it again. A fresh interpreter: a forkserver already running in this one keeps its old preload."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "probe_dataset.py").write_text(PROBE_DATASET)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-2:] == ["[1,", "1]"], out.stdout  # the helper has torch; the helper is not the rank

@@ -1,51 +1,48 @@
 """Local multi-process launch through torchrun (torch.distributed.run), not a spawner of our own.
 
-torchrun runs in its own session so that a Ctrl-C reaches it once, through us,
-rather than twice (from the terminal and from us); PR_SET_PDEATHSIG makes it
-receive SIGTERM if we die, so no orphaned workers survive their launcher.
+The command's own process runs torchrun (hpctrain.launch), which starts each worker in a session of its own, so a
+Ctrl-C reaches the workers once, through the launcher; PR_SET_PDEATHSIG in each worker makes it receive SIGTERM if
+the launcher dies, so no orphaned workers survive it.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
-import subprocess
 import sys
 from typing import Sequence
 
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 _PR_SET_PDEATHSIG = 1
 
 
-def torchrun_command(nproc_per_node: int, module_args: Sequence[str]) -> list[str]:
-    # torch.distributed.run's own main, wrapped only to shorten its failure report.
+def torchrun_args(nproc_per_node: int, module_args: Sequence[str]) -> list[str]:
+    """torchrun's arguments for a local launch of ``python -m hpctrain MODULE_ARGS`` on ``nproc_per_node``."""
     return [
-        sys.executable, "-m", "hpctrain.launch",
         "--standalone",  # c10d rendezvous on a free local port
         f"--nproc-per-node={nproc_per_node}",
         "-m", "hpctrain", *module_args,
     ]
 
 
-def die_with_parent() -> None:  # runs in the child between fork and exec
+def torchrun_command(nproc_per_node: int, module_args: Sequence[str]) -> list[str]:
+    """The same launch as a command line (torch.distributed.run's own main, wrapped only to shorten its report)."""
+    return [sys.executable, "-m", "hpctrain.launch", *torchrun_args(nproc_per_node, module_args)]
+
+
+def die_with_parent() -> None:
+    """SIGTERM to this process when its parent dies (in a child between fork and exec, or a worker at its start)."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:  # pragma: no cover - not glibc Linux
         pass
 
 
-def run_forwarding_signals(cmd: Sequence[str]) -> int:
-    """Run ``cmd``; forward our signals to it; return its exit code (128+N if killed by signal N)."""
-    proc = subprocess.Popen(list(cmd), start_new_session=True, preexec_fn=die_with_parent)
-
-    def forward(signum, _frame) -> None:
-        if proc.poll() is None:
-            proc.send_signal(signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
-    try:
-        code = proc.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return 128 - code if code < 0 else code
+def stop_with_launcher() -> None:
+    """A worker of hpctrain's torchrun: a SIGKILLed launcher (OOM killer, a kill -9) cannot pass anything on, and
+    torchrun starts each worker in a session of its own, so without this the workers would train on, orphaned.
+    With it they get SIGTERM, a stop signal: they save at the next step boundary and exit."""
+    parent = os.getppid()
+    die_with_parent()
+    if os.getppid() != parent:  # the launcher died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)

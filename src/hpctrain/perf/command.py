@@ -8,7 +8,6 @@ from pathlib import Path
 
 from hpctrain.config.schema import DistSection
 from hpctrain.dist.env import detect_launch
-from hpctrain.dist.launcher import run_forwarding_signals, torchrun_command
 from hpctrain.dist.runtime import distributed_session
 from hpctrain.errors import UserError
 from hpctrain.perf.preflight import Settings, Thresholds, run_preflight
@@ -46,7 +45,9 @@ def perf_command(req: PerfRequest) -> int:
     launch = detect_launch()
     if launch.launcher == "single" and req.nproc_per_node > 1:
         # Every rank gets the same report directory, chosen here once.
-        return run_forwarding_signals(torchrun_command(req.nproc_per_node, req.worker_args(str(Path(out).resolve()))))
+        from hpctrain.launch import launch_local
+
+        return launch_local(req.nproc_per_node, req.worker_args(str(Path(out).resolve())))
     import torch
 
     max_bytes = req.max_bytes or ((1 << 30) if torch.cuda.is_available() else (64 << 20))

@@ -11,7 +11,6 @@ from hpctrain.checkpoint.manager import select_checkpoint
 from hpctrain.config import config_to_toml, load_config, plan_batches
 from hpctrain.config.schema import RunConfig
 from hpctrain.dist.env import LaunchInfo, detect_launch
-from hpctrain.dist.launcher import run_forwarding_signals, torchrun_command
 from hpctrain.dist.runtime import distributed_session
 from hpctrain.experiments import Experiment, resolve_experiment
 from hpctrain.fault.alerts import resolve_webhook
@@ -100,7 +99,9 @@ def train_command(req: TrainRequest) -> int:
         setup_logging(debug=req.debug)
         preflight(cfg, req.nproc_per_node, req.command)
         log.info("starting %d processes with torchrun", req.nproc_per_node)
-        return run_forwarding_signals(torchrun_command(req.nproc_per_node, req.module_args()))
+        from hpctrain.launch import launch_local
+
+        return launch_local(req.nproc_per_node, req.module_args(), cfg)
     return _train_here(cls, cfg, launch, req)
 
 
