@@ -36,7 +36,7 @@ from typing import Sequence
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun
 
-from hpctrain.dist.env import mark_agent_environment
+from hpctrain.dist.env import agent_environment
 from hpctrain.dist.launcher import torchrun_args
 from hpctrain.fault.signals import SAME_PRESS_S
 from hpctrain.monitor.sidecars import node_monitors
@@ -235,10 +235,8 @@ def _last_step(run_dir: Path, rank: int) -> int:
 
 def main(argv: list[str] | None = None, cfg=None) -> int:
     """torchrun with ``argv`` (sys.argv's by default); ``cfg``: the run's config, else read from the command line."""
-    mark_agent_environment()
     # torchrun copies the failing worker's error file here; without one it logs that it has nowhere to copy.
     error_dir = tempfile.mkdtemp(prefix="hpctrain-torchrun-")
-    os.environ.setdefault("TORCHELASTIC_ERROR_FILE", os.path.join(error_dir, "error.json"))
     # torchrun registers its handlers (raise, shut the workers down) for the signals in this list when it
     # starts; the others stay ours. Its --signals-to-handle overrides TORCHELASTIC_SIGNALS_TO_HANDLE.
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -247,12 +245,13 @@ def main(argv: list[str] | None = None, cfg=None) -> int:
     previous = {sig: signal.signal(sig, _forward) for sig in FORWARDED}
     previous[signal.SIGINT] = signal.signal(signal.SIGINT, _Interrupts.handle)
     try:
-        with node_monitors():  # only inside a job script that asked for them
+        with agent_environment(os.path.join(error_dir, "error.json")), node_monitors():  # monitors: if asked for
             torchrun(argv)
     except ChildFailedError as err:
         return report(err, cfg)
     finally:
         shutil.rmtree(error_dir, ignore_errors=True)
+        signal.alarm(0)  # a pending kill of the workers (they are gone)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0

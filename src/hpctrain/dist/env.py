@@ -18,11 +18,12 @@ is listed in one place.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
 from dataclasses import dataclass
-from typing import Literal, Mapping
+from typing import Iterator, Literal, Mapping
 
 from hpctrain.errors import UserError
 
@@ -291,9 +292,22 @@ def under_hpctrain_agent(environ: Mapping[str, str] | None = None) -> bool:
     return (os.environ if environ is None else environ).get(UNDER_AGENT) == "1"
 
 
-def mark_agent_environment() -> None:
-    """Called by the torchrun wrapper before it starts workers (they inherit the variable)."""
+@contextlib.contextmanager
+def agent_environment(error_file: str) -> Iterator[None]:
+    """The torchrun wrapper's environment for its workers (they inherit it): the mark that hpctrain's agent reports
+    their failures, and where torchrun copies a failing worker's error file (unless the caller chose one). Restored
+    afterwards: the wrapper runs inside the command's own process."""
+    saved = {name: os.environ.get(name) for name in (UNDER_AGENT, "TORCHELASTIC_ERROR_FILE")}
     os.environ[UNDER_AGENT] = "1"
+    os.environ.setdefault("TORCHELASTIC_ERROR_FILE", error_file)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def cpus_available() -> int:
