@@ -244,6 +244,7 @@ def main(argv: list[str] | None = None, cfg=None) -> int:
         argv.insert(0, "--signals-to-handle=SIGQUIT")
     previous = {sig: signal.signal(sig, _forward) for sig in FORWARDED}
     previous[signal.SIGINT] = signal.signal(signal.SIGINT, _Interrupts.handle)
+    previous[signal.SIGALRM] = signal.getsignal(signal.SIGALRM)  # _kill_children_in takes it
     try:
         with agent_environment(os.path.join(error_dir, "error.json")), node_monitors():  # monitors: if asked for
             torchrun(argv)
