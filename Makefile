@@ -50,10 +50,11 @@ fuse-deps:
 
 # Byte-compiled first: with PYTHONDONTWRITEBYTECODE set (as on this project's VMs) every process of every launch
 # would compile the package's sources again (about 0.3 s of CPU a process, four processes a launch).
+# The last line gives the whole command's time (both tiers), so a change that breaks the budget shows in its log.
 test: setup slurm-deps fuse-deps
-	$(PY) -m compileall -q src tests > /dev/null
-	$(PY) -m pytest
-	$(MAKE) --no-print-directory test-floor
+	@start=$$(date +%s); $(PY) -m compileall -q src tests > /dev/null \
+	  && $(PY) -m pytest && $(MAKE) --no-print-directory test-floor; rc=$$?; \
+	  echo "make test: $$(( $$(date +%s) - start )) s for both tiers (exit $$rc)"; exit $$rc
 
 # The unit tier and the two-process smoke test on the floor torch (about 3 minutes plus its install).
 test-floor: $(FLOOR_VENV)/.installed fuse-deps

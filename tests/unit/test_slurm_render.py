@@ -168,8 +168,9 @@ def test_hostile_values_cannot_inject_commands_and_reach_the_job_literally(tmp_p
     """Run the script for real in bash, with srun/scontrol/sstat/sacct replaced by recording stubs."""
     marker = tmp_path / "INJECTED"
     hostile = HOSTILE.format(marker=marker)
-    run_dir = tmp_path / f"run dir {hostile}".replace("/", "_")
-    run_dir = tmp_path / run_dir.name
+    # The run dir's own name is hostile too; its marker is relative, so an injection would create it in the job's
+    # working directory (tmp_path). A short name: a long temporary path three times over exceeds NAME_MAX.
+    run_dir = tmp_path / f"run dir {HOSTILE.format(marker='INJECTED_BY_RUN_DIR')}"
     bin_dir, out = tmp_path / "bin", tmp_path / "out"
     bin_dir.mkdir()
     out.mkdir()
@@ -189,6 +190,7 @@ def test_hostile_values_cannot_inject_commands_and_reach_the_job_literally(tmp_p
     proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not marker.exists(), "a config value ran as a command"
+    assert not (tmp_path / "INJECTED_BY_RUN_DIR").exists(), "the run dir's name ran as a command"
     args = (out / "srun.args").read_text().splitlines()
     assert hostile in args  # the python path and the experiment arrive as single, unchanged words
     assert args.count(hostile) == 2
