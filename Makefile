@@ -56,7 +56,7 @@ fuse-deps:
 # The last line gives the whole command's time (both tiers), so a change that breaks the budget shows in its log.
 PYTEST_PARALLEL ?= -n 2 --dist loadscope
 test: setup slurm-deps fuse-deps
-	@start=$$(date +%s); $(PY) -m compileall -q src tests > /dev/null \
+	@start=$$(date +%s); $(PY) -m compileall -q src tests \
 	  && $(PY) -m pytest $(PYTEST_PARALLEL) && $(MAKE) --no-print-directory test-floor; rc=$$?; \
 	  echo "make test: $$(( $$(date +%s) - start )) s for both tiers (exit $$rc)"; exit $$rc
 

@@ -446,12 +446,12 @@ def entry_point() -> NoReturn:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
-    from hpctrain.dist.env import under_hpctrain_agent
+    from hpctrain.dist.env import agent_pid, under_hpctrain_agent
 
-    if under_hpctrain_agent():
+    if agent_pid():
         from hpctrain.dist.launcher import stop_with_launcher
 
-        stop_with_launcher()
+        stop_with_launcher(agent_pid())
     try:
         check_torch()
         return args.func(args)

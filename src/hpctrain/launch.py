@@ -183,9 +183,9 @@ def first_failure(err: ChildFailedError):
 
 
 def report(err: ChildFailedError, cfg=None) -> int:
-    """One line for the failure, the alert, and the exit code; ``cfg``: the run's config when the caller has it."""
+    """One line for the failure, the alert, and the exit code; ``cfg``: the run's config (None: no alert, and no
+    "resume me" reading of fault.exit_code)."""
     rank, first = first_failure(err)
-    cfg = cfg if cfg is not None else _run_config()
     codes = {f.exitcode for f in err.failures.values()}
     if _Interrupts.count and codes <= {INTERRUPTED, -signal.SIGINT, -signal.SIGKILL, -signal.SIGTERM}:
         saved = "" if _Interrupts.count > 1 else " at a step boundary with a checkpoint"
@@ -234,28 +234,41 @@ def _last_step(run_dir: Path, rank: int) -> int:
 
 
 def main(argv: list[str] | None = None, cfg=None) -> int:
-    """torchrun with ``argv`` (sys.argv's by default); ``cfg``: the run's config, else read from the command line."""
+    """torchrun with ``argv``, or with sys.argv's as ``python -m hpctrain.launch``; ``cfg``: the run's config for
+    the failure report and alert (read from sys.argv's hpctrain command when run as a program)."""
     # torchrun copies the failing worker's error file here; without one it logs that it has nowhere to copy.
     error_dir = tempfile.mkdtemp(prefix="hpctrain-torchrun-")
+    as_program = argv is None
     # torchrun registers its handlers (raise, shut the workers down) for the signals in this list when it
     # starts; the others stay ours. Its --signals-to-handle overrides TORCHELASTIC_SIGNALS_TO_HANDLE.
     argv = list(sys.argv[1:] if argv is None else argv)
     if not any(a.startswith(("--signals-to-handle", "--signals_to_handle")) for a in argv):
         argv.insert(0, "--signals-to-handle=SIGQUIT")
-    previous = {sig: signal.signal(sig, _forward) for sig in FORWARDED}
-    previous[signal.SIGINT] = signal.signal(signal.SIGINT, _Interrupts.handle)
-    previous[signal.SIGALRM] = signal.getsignal(signal.SIGALRM)  # _kill_children_in takes it
+    _Interrupts.count, _Interrupts.first_at = 0, 0.0  # a launch's presses are its own
+    previous = {sig: signal.getsignal(sig) for sig in (*FORWARDED, signal.SIGINT, signal.SIGQUIT, signal.SIGALRM)}
+    for sig in FORWARDED:
+        signal.signal(sig, _forward)
+    signal.signal(signal.SIGINT, _Interrupts.handle)
     try:
         with agent_environment(os.path.join(error_dir, "error.json")), node_monitors():  # monitors: if asked for
             torchrun(argv)
     except ChildFailedError as err:
-        return report(err, cfg)
+        return report(err, cfg if cfg is not None or not as_program else _run_config())
     finally:
         shutil.rmtree(error_dir, ignore_errors=True)
-        signal.alarm(0)  # a pending kill of the workers (they are gone)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        _restore_handlers(previous)
     return 0
+
+
+def _restore_handlers(previous: dict) -> None:
+    """The caller's handlers again (torchrun's for SIGQUIT too); the workers' SIGKILL timer cancelled if armed
+    (first the handlers that arm it, so none can arm it again)."""
+    for sig, handler in previous.items():
+        if sig != signal.SIGALRM:
+            signal.signal(sig, handler)
+    if signal.getsignal(signal.SIGALRM) is _kill_children:
+        signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous[signal.SIGALRM])
 
 
 def launch_local(nproc_per_node: int, module_args: Sequence[str], cfg=None) -> int:

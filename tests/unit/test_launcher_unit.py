@@ -80,3 +80,74 @@ def test_the_done_line_says_which_step_an_earlier_validation_was_at():
     assert done_val({"loss": 0.5, "accuracy": 0.9, "iou/x": 1.0}, 14, 14) == "; val loss 0.5000, accuracy 0.9000"
     assert done_val({"loss": 0.5}, 14, 25) == "; val at step 14: loss 0.5000"  # train.stop_at_step=25
     assert done_val({}, 0, 25) == ""
+
+
+def test_the_agent_environment_is_the_workers_and_is_restored(monkeypatch):
+    import os
+
+    from hpctrain.dist.env import AGENT_VARIABLES, agent_environment, agent_pid, under_hpctrain_agent
+
+    for name in AGENT_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    with agent_environment("/tmp/x/error.json"):
+        assert agent_pid() == os.getpid() and under_hpctrain_agent()
+        assert os.environ["TORCHELASTIC_ERROR_FILE"] == "/tmp/x/error.json"
+        os.environ["OMP_NUM_THREADS"] = "1"  # what torchrun does for several workers
+        os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGQUIT"
+    assert not under_hpctrain_agent() and os.environ["OMP_NUM_THREADS"] == "3"
+    assert "TORCHELASTIC_ERROR_FILE" not in os.environ and "TORCHELASTIC_SIGNALS_TO_HANDLE" not in os.environ
+    assert agent_pid({"HPCTRAIN_AGENT": "1234"}) == 1234 and agent_pid({"HPCTRAIN_AGENT": "x"}) == 0
+
+
+def test_the_in_process_launch_gives_torchrun_the_same_arguments():
+    from hpctrain.dist.launcher import torchrun_args
+
+    req = TrainRequest("digits", None, ("train.max_steps=3",), 2, False)
+    assert torchrun_args(2, req.module_args()) == ["--standalone", "--nproc-per-node=2", "-m", "hpctrain",
+                                                   *req.module_args()]
+    assert torchrun_command(2, req.module_args())[3:] == torchrun_args(2, req.module_args())
+
+
+ORPHAN = """
+import os, signal, subprocess, sys, time
+if sys.argv[1] == "launcher":
+    child = subprocess.Popen([sys.executable, __file__, "worker", sys.argv[2]], start_new_session=True)
+    time.sleep(60)  # killed by the test
+else:
+    got = []
+    signal.signal(signal.SIGTERM, lambda *a: got.append(1))
+    from hpctrain.dist.launcher import stop_with_launcher
+    stop_with_launcher(os.getppid())
+    open(sys.argv[2] + ".armed", "w").close()
+    deadline = time.monotonic() + 30
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.05)
+    open(sys.argv[2], "w").write("SIGTERM" if got else "nothing")
+"""
+
+
+def test_a_worker_gets_sigterm_when_its_launcher_is_killed(tmp_path):
+    """torchrun's workers run in sessions of their own: a SIGKILLed launcher's death reaches them only this way."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    script, result = tmp_path / "orphan.py", tmp_path / "result"
+    script.write_text(ORPHAN)
+    launcher = subprocess.Popen([sys.executable, str(script), "launcher", str(result)])
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "result.armed").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (tmp_path / "result.armed").exists(), "the worker did not start"
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=10)
+        deadline = time.monotonic() + 40
+        while not result.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert result.read_text() == "SIGTERM"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()

@@ -187,7 +187,7 @@ def test_hostile_values_cannot_inject_commands_and_reach_the_job_literally(tmp_p
     script.write_text(render_script(s))
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node1",
            "SLURM_JOB_NUM_NODES": "1", "HOME": str(tmp_path)}
-    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not marker.exists(), "a config value ran as a command"
     assert not (tmp_path / "INJECTED_BY_RUN_DIR").exists(), "the run dir's name ran as a command"

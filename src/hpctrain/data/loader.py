@@ -306,19 +306,19 @@ def loader_kwargs(cfg: DataSection, runtime: Runtime, dataset: Any = None, trans
         kwargs["persistent_workers"] = cfg.persistent_workers
         kwargs["prefetch_factor"] = cfg.prefetch_factor
         kwargs["worker_init_fn"] = functools.partial(guard_stop_signals, rank_pid=os.getpid())
-        kwargs["multiprocessing_context"] = worker_context(cfg.worker_start, dataset)
+        kwargs["multiprocessing_context"] = worker_context(cfg.worker_start)
     return kwargs
 
 
-def worker_context(start: str, dataset: Any = None) -> multiprocessing.context.BaseContext:
-    """The loader workers' start method. forkserver's helper imports torch, hpctrain's loader and the data set's
-    module once, so every worker forked from it starts with them loaded: by default each worker imported torch
-    again (about 2 s of CPU per worker on this project's VMs, at every start of a run). multiprocessing skips a
-    preload module that fails to import; the helper has no threads when it forks either way."""
+def worker_context(start: str) -> multiprocessing.context.BaseContext:
+    """The loader workers' start method. forkserver's helper imports torch and hpctrain's loader once, so every
+    worker forked from it starts with them loaded: by default each worker imported torch again (about 2 s of CPU
+    per worker on this project's VMs, at every start of a run). Not the data set's own module: a user's module may
+    start threads, touch CUDA or draw entropy when imported, which a helper that forks must not (each worker still
+    imports it when it unpickles the data set, as before)."""
     ctx = multiprocessing.get_context(start)
     if start == "forkserver":
-        modules = ["__main__", "torch", __name__] + ([type(dataset).__module__] if dataset is not None else [])
-        ctx.set_forkserver_preload(list(dict.fromkeys(modules)))
+        ctx.set_forkserver_preload(["torch", __name__])
     return ctx
 
 

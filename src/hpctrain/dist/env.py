@@ -289,16 +289,27 @@ def _source_address(host: str) -> str:
 
 def under_hpctrain_agent(environ: Mapping[str, str] | None = None) -> bool:
     """True in workers started by hpctrain's torchrun wrapper, which reports their failures itself."""
-    return (os.environ if environ is None else environ).get(UNDER_AGENT) == "1"
+    return bool(agent_pid(environ))
+
+
+def agent_pid(environ: Mapping[str, str] | None = None) -> int:
+    """The pid of the hpctrain torchrun wrapper that started this worker (0 if none): the value of the mark."""
+    value = (os.environ if environ is None else environ).get(UNDER_AGENT, "")
+    return int(value) if value.isdigit() else 0
+
+
+# What the wrapper and torchrun put into the process's environment for the workers; restored after the launch.
+AGENT_VARIABLES = (UNDER_AGENT, "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_SIGNALS_TO_HANDLE", "OMP_NUM_THREADS")
 
 
 @contextlib.contextmanager
 def agent_environment(error_file: str) -> Iterator[None]:
-    """The torchrun wrapper's environment for its workers (they inherit it): the mark that hpctrain's agent reports
-    their failures, and where torchrun copies a failing worker's error file (unless the caller chose one). Restored
-    afterwards: the wrapper runs inside the command's own process."""
-    saved = {name: os.environ.get(name) for name in (UNDER_AGENT, "TORCHELASTIC_ERROR_FILE")}
-    os.environ[UNDER_AGENT] = "1"
+    """The torchrun wrapper's environment for its workers (they inherit it): the mark that hpctrain's agent (this
+    process, by pid) reports their failures, and where torchrun copies a failing worker's error file (unless the
+    caller chose one). Restored afterwards, with what torchrun itself sets (OMP_NUM_THREADS, its signal list):
+    the wrapper runs inside the command's own process."""
+    saved = {name: os.environ.get(name) for name in AGENT_VARIABLES}
+    os.environ[UNDER_AGENT] = str(os.getpid())
     os.environ.setdefault("TORCHELASTIC_ERROR_FILE", error_file)
     try:
         yield

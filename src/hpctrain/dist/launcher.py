@@ -38,11 +38,26 @@ def die_with_parent() -> None:
         pass
 
 
-def stop_with_launcher() -> None:
-    """A worker of hpctrain's torchrun: a SIGKILLed launcher (OOM killer, a kill -9) cannot pass anything on, and
-    torchrun starts each worker in a session of its own, so without this the workers would train on, orphaned.
-    With it they get SIGTERM, a stop signal: they save at the next step boundary and exit."""
-    parent = os.getppid()
+def stop_with_launcher(launcher_pid: int) -> None:
+    """A worker of hpctrain's torchrun (``launcher_pid``, from its environment): a SIGKILLed launcher (OOM killer,
+    kill -9) cannot pass anything on, and torchrun starts each worker in a session of its own, so without this the
+    workers would train on, orphaned. With it they get SIGTERM, a stop signal: they save at the next step boundary
+    and exit. A parent other than the launcher (it died before this ran, or the mark leaked into the environment of
+    another launch) gets nothing armed, and a dead launcher the same SIGTERM at once."""
+    if os.getppid() != launcher_pid:
+        if not _alive(launcher_pid):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return
     die_with_parent()
-    if os.getppid() != parent:  # the launcher died before the request took effect
+    if os.getppid() != launcher_pid:  # it died between the check and the request
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

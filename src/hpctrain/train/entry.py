@@ -101,7 +101,8 @@ def train_command(req: TrainRequest) -> int:
         log.info("starting %d processes with torchrun", req.nproc_per_node)
         from hpctrain.launch import launch_local
 
-        return launch_local(req.nproc_per_node, req.module_args(), cfg)
+        # The config makes the failure alert and the "resume me" exit; sample is not the run's training.
+        return launch_local(req.nproc_per_node, req.module_args(), cfg if req.command in ("train", "eval") else None)
     return _train_here(cls, cfg, launch, req)
 
 
