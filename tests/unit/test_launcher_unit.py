@@ -1,6 +1,6 @@
 import sys
 
-from hpctrain.dist.launcher import torchrun_command
+from hpctrain.dist.launcher import torchrun_args
 from hpctrain.launch import exit_code
 from hpctrain.train.entry import TrainRequest
 
@@ -11,12 +11,11 @@ def test_worker_exit_codes_pass_through():
     assert exit_code(0) == 1  # a failure record with code 0 is still a failure
 
 
-def test_torchrun_command_reruns_the_same_request_without_nproc():
+def test_torchrun_reruns_the_same_request_without_nproc():
     req = TrainRequest("digits", "cfg.toml", ("train.max_steps=3",), 4, True)
-    cmd = torchrun_command(4, req.module_args())
-    assert cmd[:3] == [sys.executable, "-m", "hpctrain.launch"]
-    assert "--standalone" in cmd and "--nproc-per-node=4" in cmd
-    tail = cmd[cmd.index("hpctrain") + 1:]
+    args = torchrun_args(4, req.module_args())
+    assert args[:2] == ["--standalone", "--nproc-per-node=4"] and args[2:4] == ["-m", "hpctrain"]
+    tail = args[4:]
     assert tail[:2] == ["train", "digits"] and tail[2] == "--config" and tail[3].endswith("/cfg.toml")
     assert tail[4:] == ["train.max_steps=3", "--debug"]
     assert not any("nproc" in a for a in tail)
@@ -98,15 +97,6 @@ def test_the_agent_environment_is_the_workers_and_is_restored(monkeypatch):
     assert not under_hpctrain_agent() and os.environ["OMP_NUM_THREADS"] == "3"
     assert "TORCHELASTIC_ERROR_FILE" not in os.environ and "TORCHELASTIC_SIGNALS_TO_HANDLE" not in os.environ
     assert agent_pid({"HPCTRAIN_AGENT": "1234"}) == 1234 and agent_pid({"HPCTRAIN_AGENT": "x"}) == 0
-
-
-def test_the_in_process_launch_gives_torchrun_the_same_arguments():
-    from hpctrain.dist.launcher import torchrun_args
-
-    req = TrainRequest("digits", None, ("train.max_steps=3",), 2, False)
-    assert torchrun_args(2, req.module_args()) == ["--standalone", "--nproc-per-node=2", "-m", "hpctrain",
-                                                   *req.module_args()]
-    assert torchrun_command(2, req.module_args())[3:] == torchrun_args(2, req.module_args())
 
 
 ORPHAN = """

@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import sys
 from typing import Sequence
 
 _PR_SET_PDEATHSIG = 1
@@ -23,11 +22,6 @@ def torchrun_args(nproc_per_node: int, module_args: Sequence[str]) -> list[str]:
         f"--nproc-per-node={nproc_per_node}",
         "-m", "hpctrain", *module_args,
     ]
-
-
-def torchrun_command(nproc_per_node: int, module_args: Sequence[str]) -> list[str]:
-    """The same launch as a command line (torch.distributed.run's own main, wrapped only to shorten its report)."""
-    return [sys.executable, "-m", "hpctrain.launch", *torchrun_args(nproc_per_node, module_args)]
 
 
 def die_with_parent() -> None:
