@@ -115,7 +115,8 @@ def unstaged(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, stage_dir=""))
 
 
-@record_errors  # torchrun's error file (written atomically): the launcher's failure report and alert then carry this rank's error
+# torchrun's error file, written atomically: the launcher's failure report and alert then carry this rank's error
+@record_errors
 def _train_here(cls: type[Experiment], cfg: RunConfig, launch: LaunchInfo, req: TrainRequest) -> int:
     setup_logging(launch.rank, launch.world_size, launch.hostname, req.debug)
     if req.nproc_per_node and launch.launcher != "single" and req.nproc_per_node != launch.local_world_size:
