@@ -24,7 +24,7 @@ F = TypeVar("F", bound=Callable)
 
 
 class AtomicErrorHandler(ErrorHandler):
-    """torch's error handler with its two writes made atomic; the file's content is torch's own format."""
+    """torch's error handler with the worker's write made atomic; the file's content is torch's own format."""
 
     def record_exception(self, e: BaseException) -> None:
         file = self._get_error_file_path()
@@ -33,9 +33,6 @@ class AtomicErrorHandler(ErrorHandler):
         data = {"message": {"message": f"{type(e).__name__}: {e}", "extraInfo": {
             "py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))}}}
         atomic_write_text(file, json.dumps(data))
-
-    def _write_error_file(self, file_path: str, error_msg: str) -> None:
-        atomic_write_text(file_path, error_msg)
 
 
 def record_errors(fn: F) -> F:
