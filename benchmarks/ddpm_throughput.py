@@ -2,18 +2,24 @@
 loop on the same model, in one process and one run. Prints a table.
 
     python benchmarks/ddpm_throughput.py [--device auto|cuda|cpu] [--micro 64,128] [--steps 50] [--warmup 10]
-                                         [--repeats 5] [--compile | --no-compile] [--json PATH]
+                                         [--repeats 5] [--modes eager,graphed] [--compile] [--json PATH]
 
-For each micro batch (the micro batch is the global batch: one process, no accumulation), two loops train the
-U-Net of Ho et al. (35.7M parameters at the defaults, 32x32 images):
+For each step mode (--modes: eager, compiled, graphed, graphed-compiled; default eager,graphed on CUDA, eager on the
+CPU; --compile alone means --modes compiled) and each micro batch (the micro batch is the global batch: one process,
+no accumulation), two loops train the U-Net of Ho et al. (35.7M parameters at the defaults, 32x32 images), both with
+the same technique:
 
   plain     a hand-written torch loop: images as uint8 on the GPU, a permutation per epoch, random flips on the
             GPU, L_simple (GaussianDiffusion.training_losses) with torch.randint/torch.randn draws, bf16
             autocast, channels_last, fused AdamW with the reference's linear warm-up, gradient clipping at 1.0
             and an EMA of the weights (hpctrain.train.ema.EMA, as hpctrain's loop), optionally torch.compile.
+            Graphed: the same step captured by hand with torch.cuda.graph as one would write it (eager warm-up on
+            a side stream; the batch, flips, timesteps and noise drawn outside the graph and copied into static
+            buffers; fused AdamW with capturable=True and a tensor learning rate moved by the scheduler; clipping
+            and the EMA, with a tensor weight, inside).
   hpctrain  hpctrain's own loop (hpctrain.train.loop.train) on hpctrain's context for ddpm_cifar10 with
             model.source=fixture, data.on_device=true, train.precision=bf16, train.channels_last=true,
-            train.compile per --compile: its heartbeat, stop vote, BatchInfo draws, loss window, scheduler,
+            train.step_mode per mode (graphed-compiled: graphed with train.compile=true): its heartbeat, stop vote, BatchInfo draws, loss window, scheduler,
             clipping and EMA included. No validation, outputs, logging or checkpoints within the timed steps
             (eval.every_steps and log.every_steps huge, outputs off; the checkpoint a launch saves when it ends
             is replaced by a no-op). Each timed window is one call of the loop (train.stop_at_step moved on),
@@ -35,8 +41,11 @@ Columns:
                GPU) plus the most torch.cuda.max_memory_allocated rose above the allocated memory at the start of
                one of its timed windows (activations, gradients, workspaces). Both loops live in one process; this
                way neither counts the other's memory.
-  vs plain     hpctrain's images/s over the plain loop's, median of the per-repeat ratios (the repeats' two
-               windows ran back to back).
+  host ms      the host's time to enqueue one step (the window's time before its closing synchronisation, per
+               step). Equal to ms/step: the host bounds the step (or waited for the GPU inside it); below: the
+               GPU does.
+  vs plain     hpctrain's images/s over the plain loop's in the same mode, median of the per-repeat ratios (the
+               repeats' two windows ran back to back).
 
 The second table is the price of drawing per-sample noise by position (hpctrain.data.positional): per
 micro-batch hpctrain draws the timesteps and the noise of the blocks of 64 positions its samples fall in (in
@@ -91,6 +100,7 @@ CPU_MODEL = ("model.image_size=16", "model.ch=16", "model.ch_mult=[1, 2]", "mode
 DRAW_GLOBAL, DRAW_MICRO = 384, 64
 """The reference run's global batch and micro batch per GPU, for the positional-draw price."""
 LOOPS = ("plain", "hpctrain")
+MODES = ("eager", "compiled", "graphed", "graphed-compiled")
 
 
 @dataclass(frozen=True)
@@ -100,7 +110,7 @@ class Settings:
     steps: int
     warmup: int
     repeats: int
-    compile: bool
+    modes: tuple[str, ...]
     draw_iters: int
 
     @property
@@ -118,22 +128,26 @@ class Measured:
 
     loop: str
     micro: int
+    mode: str = "eager"
     seconds: list[float] = field(default_factory=list)
     """Each timed window's wall time."""
+    enqueue_seconds: list[float] = field(default_factory=list)
+    """Each timed window's time until the host had enqueued its last step."""
     resident_bytes: int = 0
     transient_bytes: int = 0
 
 
 # ---- configuration ------------------------------------------------------------------------------------------
 
-def overrides(s: Settings, micro: int, run_dir: str) -> list[str]:
+def overrides(s: Settings, micro: int, run_dir: str, mode: str = "eager") -> list[str]:
     """hpctrain's config for one micro batch: the micro batch is the global batch (one process, accumulation 1)."""
     samples = GPU_SAMPLES if s.cuda else CPU_SAMPLES
+    step_mode = mode.split("-")[0]
     out = [
         "model.source=fixture", f"model.fixture_samples={samples}",
         "data.on_device=true", "data.num_workers=0",
         f"train.precision={'bf16' if s.cuda else 'fp32'}", "train.channels_last=true",
-        f"train.compile={'true' if s.compile else 'false'}",
+        f"train.step_mode={step_mode}", f"train.compile={'true' if mode == 'graphed-compiled' else 'false'}",
         f"train.global_batch_size={micro}", f"train.micro_batch_size={micro}", f"train.max_steps={HUGE}",
         f"eval.every_steps={HUGE}", f"log.every_steps={HUGE}", "log.outputs_every_steps=0",
         "log.outputs_every_epochs=0", "log.progress=off", "log.tensorboard=false", "log.plots=false",
@@ -142,10 +156,10 @@ def overrides(s: Settings, micro: int, run_dir: str) -> list[str]:
     return out + (list(CPU_MODEL) if s.smoke else [])
 
 
-def load(s: Settings, micro: int, run_dir: str):
+def load(s: Settings, micro: int, run_dir: str, mode: str = "eager"):
     from hpctrain.train.entry import resolve
 
-    return resolve(EXPERIMENT, None, tuple(overrides(s, micro, run_dir)))
+    return resolve(EXPERIMENT, None, tuple(overrides(s, micro, run_dir, mode)))
 
 
 # ---- the two loops -------------------------------------------------------------------------------------------
@@ -157,6 +171,7 @@ class PlainLoop:
         o, t, opt = cfg.model, cfg.train, cfg.optim
         self.device, self.micro, self.clip, self.flip = device, t.micro_batch_size, t.grad_clip, o.flip
         self.channels_last = t.channels_last
+        self.autocast_cache = True  # off when graphed: no cached casts made during capture (and no recompile)
         self.dtype = torch.bfloat16 if t.precision == "bf16" else None
         torch.manual_seed(cfg.run.seed)
         raw = experiment.build_model().to(device)
@@ -179,7 +194,7 @@ class PlainLoop:
     def autocast(self):
         if self.dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
+        return torch.autocast(self.device.type, dtype=self.dtype, cache_enabled=self.autocast_cache)
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         m, n = self.micro, len(self.images)
@@ -213,6 +228,9 @@ class PlainLoop:
         for _ in range(steps):
             self.step()
 
+    def warm(self, steps: int) -> None:
+        self.run(steps)
+
     def flops_per_step(self) -> int:
         """Forward + backward of one training step on the uncompiled model (the optimizer's elementwise work is
         not counted: FlopCounterMode counts matrix multiplies, convolutions and attention)."""
@@ -225,22 +243,82 @@ class PlainLoop:
         return counter.get_total_flops()
 
 
+class PlainGraphed:
+    """The plain loop's step captured by hand with torch.cuda.graph, as one would write it for one GPU."""
+
+    def __init__(self, plain: PlainLoop) -> None:
+        from hpctrain.train.step import ema_update
+
+        self.plain, p = plain, plain
+        self.raw = p.raw
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self._ema_update = ema_update
+
+    def warm(self, steps: int) -> None:
+        p = self.plain
+        p.autocast_cache = False
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # torch's recipe: warm-up on a side stream (handles, optimizer state)
+            p.run(max(steps, 3))
+        torch.cuda.current_stream().wait_stream(side)
+        self.static = [t.clone() for t in p.batch()]
+        opt = p.optimizer
+        # LambdaLR fills a tensor rate in place (torch >= 2.2), so the scheduler moves what the graph reads.
+        lr = torch.tensor(float(opt.param_groups[0]["lr"]), device=p.device)
+        for group in opt.param_groups:
+            group["lr"], group["capturable"] = lr, True
+        weight = torch.tensor(1.0 - p.ema.decay, device=p.device) if p.ema is not None else None
+        opt.zero_grad(set_to_none=True)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            with p.autocast():
+                loss = p.diffusion.training_losses(p.model, *self.static).mean()
+            loss.backward()
+            if p.clip > 0:
+                torch.nn.utils.clip_grad_norm_(p.raw.parameters(), p.clip, foreach=True)
+            opt.step()
+            if weight is not None:
+                self._ema_update(p.ema, p.raw, weight)
+
+    def step(self) -> None:
+        for static, fresh in zip(self.static, self.plain.batch()):
+            static.copy_(fresh)
+        self.graph.replay()
+        self.plain.scheduler.step()
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            self.step()
+
+    def flops_per_step(self) -> int:
+        return self.plain.flops_per_step()
+
+
+def plain_loop(experiment, cfg: RunConfig, device: torch.device, mode: str):
+    plain = PlainLoop(experiment, cfg, device, compile_model=mode.endswith("compiled"))
+    return PlainGraphed(plain) if mode.startswith("graphed") else plain
+
+
 # ---- measuring -----------------------------------------------------------------------------------------------
 
-def measure_micro(s: Settings, micro: int, log: Callable[[str], None]) -> tuple[dict[str, Measured], int, int]:
-    """Both loops at one micro batch; returns (measured, FLOP per step, parameters)."""
-    measured = {name: Measured(name, micro) for name in LOOPS}
+def measure_micro(s: Settings, micro: int, mode: str,
+                  log: Callable[[str], None]) -> tuple[dict[str, Measured], int, int]:
+    """Both loops at one micro batch in one step mode; returns (measured, FLOP per step, parameters)."""
+    measured = {name: Measured(name, micro, mode) for name in LOOPS}
     with tempfile.TemporaryDirectory(prefix="hpctrain-ddpm-bench-") as run_dir:
-        cls, cfg = load(s, micro, run_dir)
+        cls, cfg = load(s, micro, run_dir, mode)
         warm_libraries(s.device)
         start = allocated(s.device)
-        plain = PlainLoop(cls(cfg), cfg, s.device, s.compile)
+        plain = plain_loop(cls(cfg), cfg, s.device, mode)
         params = sum(p.numel() for p in plain.raw.parameters())
         flops = plain.flops_per_step()
-        plain.run(s.warmup)
+        plain.warm(s.warmup)
         after_plain = allocated(s.device)
         hpc = HpctrainLoop(cls(cfg), cfg, s.device)
-        hpc.run(s.warmup)
+        if mode.startswith("graphed") and getattr(hpc.ctx.stepper, "mode", "") != "graphed":
+            raise RuntimeError(f"hpctrain chose step mode {hpc.ctx.step_choice} for --modes {mode}")
+        hpc.warm(s.warmup)
         after_hpc = allocated(s.device)
         measured["plain"].resident_bytes = after_plain - start
         measured["hpctrain"].resident_bytes = after_hpc - after_plain
@@ -249,10 +327,10 @@ def measure_micro(s: Settings, micro: int, log: Callable[[str], None]) -> tuple[
             for name in LOOPS if r % 2 == 0 else LOOPS[::-1]:
                 timed_window(loops[name], s.steps, s.device, measured[name])
                 t = measured[name].seconds[-1]
-                log(f"  micro {micro}, repeat {r + 1}: {name} {1e3 * t / s.steps:.2f} ms/step, "
+                log(f"  {mode}, micro {micro}, repeat {r + 1}: {name} {1e3 * t / s.steps:.2f} ms/step, "
                     f"{micro * s.steps / t:,.1f} images/s")
         del plain, hpc, loops
-    release(s.device, s.compile)
+    release(s.device, mode.endswith("compiled"))
     return measured, flops, params
 
 
@@ -305,9 +383,10 @@ def rows(s: Settings, results: list[tuple[dict[str, Measured], int]]) -> list[di
             tflops = [per_image * r / 1e12 for r in rates]
             fraction = statistics.median(tflops) / peak.tflops if peak is not None and peak.dtype == "bf16" else None
             out.append({
-                "loop": name, "micro": m.micro, "steps": s.steps, "repeats": s.repeats,
+                "loop": name, "mode": m.mode, "micro": m.micro, "steps": s.steps, "repeats": s.repeats,
                 "window_s": m.seconds, "images_per_s": rates, "images_per_s_median": statistics.median(rates),
                 "ms_per_step_median": 1e3 * statistics.median(m.seconds) / s.steps,
+                "host_ms_per_step_median": 1e3 * statistics.median(m.enqueue_seconds) / s.steps,
                 "flop_per_step": flops, "gflop_per_image": per_image / 1e9,
                 "tflops_median": statistics.median(tflops),
                 "peak_fraction": fraction,
@@ -320,7 +399,7 @@ def rows(s: Settings, results: list[tuple[dict[str, Measured], int]]) -> list[di
 
 def draw_summary(times: dict[str, list[float]], table: list[dict[str, Any]]) -> dict[str, Any]:
     pos, plain = statistics.median(times["positional"]), statistics.median(times["plain"])
-    ref = [r for r in table if r["loop"] == "hpctrain"]
+    ref = [r for r in table if r["loop"] == "hpctrain" and r["mode"] == table[0]["mode"]]
     ref = [r for r in ref if r["micro"] == DRAW_MICRO] or ref
     step_us = 1e3 * ref[0]["ms_per_step_median"] if ref else None
     return {"global": DRAW_GLOBAL, "micro": DRAW_MICRO, "positional_us": times["positional"],
@@ -334,7 +413,7 @@ def header(s: Settings, params: int, cfg: RunConfig) -> list[str]:
     torch_text = f"torch {torch.__version__}" + (f" (CUDA {torch.version.cuda})" if s.cuda else "")
     model = (f"U-Net {params / 1e6:.2f}M parameters (ch {o.ch}, ch_mult {tuple(o.ch_mult)}, "
              f"{o.num_res_blocks} res blocks, {o.image_size}x{o.image_size}, dropout {o.dropout:g})")
-    mode = ("bf16 autocast" if s.cuda else "fp32") + ", channels_last, " + ("torch.compile" if s.compile else "eager")
+    mode = ("bf16 autocast" if s.cuda else "fp32") + ", channels_last, modes " + ", ".join(s.modes)
     lines = [f"# DDPM throughput ({EXPERIMENT}): {device_name(s.device)} | {torch_text} | "
              f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC | commit {source_commit(ROOT) or '-'}",
              f"# {model}; {mode}; one process, micro batch = global batch; {s.steps} steps x {s.repeats} "
@@ -353,13 +432,15 @@ def render(s: Settings, head: list[str], table: list[dict[str, Any]], draws: dic
         peak_text = f"not compared: the table's peak for the {peak.gpu} is {peak.dtype}, the runs are bf16"
     else:
         peak_text = "no dense peak known for this device" if s.cuda else "no peak on a CPU"
-    columns = "| loop, micro batch | images/s | ms/step | GFLOP/image | TFLOP/s | % peak | peak GiB | vs plain |"
-    lines = head + ["", columns, "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    columns = ("| loop, mode, micro batch | images/s | ms/step | host ms | GFLOP/image | TFLOP/s | % peak | peak GiB "
+               "| vs plain |")
+    lines = head + ["", columns, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in table:
         frac = "-" if r["peak_fraction"] is None else f"{100 * r['peak_fraction']:.1f}%"
         fmt = ",.0f" if r["images_per_s_median"] >= 100 else ",.1f"
-        lines.append(f"| {r['loop']}, micro {r['micro']} | {spread(r['images_per_s'], fmt)} | "
-                     f"{r['ms_per_step_median']:.2f} | {r['gflop_per_image']:.2f} | {r['tflops_median']:.3g} | "
+        lines.append(f"| {r['loop']}, {r['mode']}, micro {r['micro']} | {spread(r['images_per_s'], fmt)} | "
+                     f"{r['ms_per_step_median']:.2f} | {r['host_ms_per_step_median']:.2f} | "
+                     f"{r['gflop_per_image']:.2f} | {r['tflops_median']:.3g} | "
                      f"{frac} | {gib(r['peak_memory_bytes'])} | {r['vs_plain']:.3f} |")
     lines += ["", f"% peak: {peak_text}. GFLOP/image: FlopCounterMode, forward + backward.", ""]
     share = draws["price_fraction_of_step"]
@@ -394,7 +475,16 @@ def settings(args: argparse.Namespace) -> Settings:
     repeats = args.repeats if args.repeats is not None else (5 if cuda else 2)
     if steps < 1 or warmup < 1 or repeats < 1:
         raise SystemExit("--steps, --warmup and --repeats must be at least 1")
-    return Settings(device, micros, steps, warmup, repeats, bool(args.compile), 200 if cuda else 10)
+    if args.modes:
+        modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    else:
+        modes = ("compiled",) if args.compile else ("eager", "graphed") if cuda else ("eager",)
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise SystemExit(f"--modes {args.modes!r}: choose from {', '.join(MODES)}")
+    if not cuda and any(m.startswith("graphed") for m in modes):
+        raise SystemExit("--modes graphed needs a CUDA device (CUDA graphs); on the CPU: --modes eager,compiled")
+    return Settings(device, micros, steps, warmup, repeats, modes, 200 if cuda else 10)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -405,9 +495,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="steps per timed window (default 50 on CUDA, 3 on CPU)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps per loop (default 10 on CUDA, 1 on CPU)")
     p.add_argument("--repeats", type=int, default=None, help="timed windows per loop (default 5 on CUDA, 2 on CPU)")
+    p.add_argument("--modes", default="", metavar="MODE,...",
+                   help=f"step modes, each a row pair ({', '.join(MODES)}; default eager,graphed on CUDA, eager on "
+                        "the CPU); compilation and capture fall in the warm-up")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
-                   help="torch.compile the model in both loops (train.compile for hpctrain); compilation falls in "
-                        "the warm-up (default: eager)")
+                   help="without --modes: --modes compiled (kept for older command lines)")
     p.add_argument("--json", default="", metavar="PATH", help="also write the numbers as JSON")
     return p
 
@@ -420,9 +512,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(line, file=sys.stderr, flush=True)
 
     results, params, cfg = [], 0, None
-    for micro in s.micros:
-        measured, flops, params = measure_micro(s, micro, log)
-        results.append((measured, flops))
+    for mode in s.modes:
+        for micro in s.micros:
+            measured, flops, params = measure_micro(s, micro, mode, log)
+            results.append((measured, flops))
     with tempfile.TemporaryDirectory() as run_dir:
         _, cfg = load(s, s.micros[0], run_dir)
     o = cfg.model
@@ -434,7 +527,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = {"header": head, "device": device_name(s.device), "torch": torch.__version__,
               "cuda": torch.version.cuda if s.cuda else None,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "commit": source_commit(ROOT) or "-", "smoke": s.smoke, "compile": s.compile, "parameters": params,
+              "commit": source_commit(ROOT) or "-", "smoke": s.smoke, "modes": list(s.modes), "parameters": params,
               "peak": dataclasses.asdict(peak) if peak is not None else None, "rows": table, "draws": draws}
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")

@@ -148,6 +148,8 @@ class Settings:
     smoke: bool
     cudnn_benchmark: bool = False
     workdir: str = ""
+    step_mode: str = "eager"
+    """hpctrain's train.step_mode in every hpctrain row (the plain loop stays eager: not yet a plain graphed loop)."""
     name: str = "cpu"
     """The device's name (torch.cuda.get_device_name): the table's, and the key of its peak."""
 
@@ -187,7 +189,7 @@ def overrides(s: Settings, batch: int, run_dir: str, path: str = "", shards: str
         f"model.backbone={s.backbone}", f"model.image_size={s.size}", f"model.output_stride={s.output_stride}",
         f"model.aspp_channels={s.aspp}", f"model.decoder_channels={s.decoder}", "model.init=scratch",
         f"train.precision={s.precision}", "train.channels_last=true",
-        f"train.compile={'true' if s.compile else 'false'}",
+        f"train.compile={'true' if s.compile else 'false'}", f"train.step_mode={s.step_mode}",
         f"train.global_batch_size={batch}", f"train.micro_batch_size={batch}", f"train.max_steps={HUGE}",
         f"eval.every_steps={HUGE}", f"log.every_steps={HUGE}", "log.outputs_every_steps=0",
         "log.outputs_every_epochs=0", "log.progress=off", "log.tensorboard=false", "log.plots=false",
@@ -426,7 +428,7 @@ def measure_model_only(s: Settings, batch: int, log: Callable[[str], None]) -> t
         experiment.tensors = device_data(s.samples, s.size, s.device, cfg.run.seed + 1)
         hpc = HpctrainLoop(experiment, cfg, s.device)
         del experiment
-        hpc.run(s.warmup)
+        hpc.warm(s.warmup)
         after_hpc = allocated(s.device)
         measured["plain"].resident_bytes = after_plain - start
         measured["hpctrain"].resident_bytes = after_hpc - after_plain
@@ -449,7 +451,7 @@ def measure_e2e(s: Settings, batch: int, path: str, shards: Path, log: Callable[
         warm_libraries(s.device)
         start = allocated(s.device)
         hpc = continuing_loop(cls(cfg), cfg, s.device)
-        hpc.run(s.warmup)
+        hpc.warm(s.warmup)
         m.resident_bytes = allocated(s.device) - start
         for r in range(s.repeats):
             timed_window(hpc.run, s.steps, s.device, m)
@@ -538,7 +540,8 @@ def header(s: Settings, params: int, data: dict[str, Any] | None) -> list[str]:
     torch_text = f"torch {torch.__version__}" + (f" (CUDA {torch.version.cuda})" if s.cuda else "")
     model = (f"DeepLabV3+ {s.backbone} {params / 1e6:.2f}M parameters, output stride {s.output_stride}, ASPP "
              f"{s.aspp} / decoder {s.decoder} channels, {NUM_CLASSES} classes, {s.size}x{s.size}")
-    mode = ("bf16 autocast" if s.cuda else "fp32") + ", channels_last, " + ("torch.compile" if s.compile else "eager")
+    mode = (("bf16 autocast" if s.cuda else "fp32") + ", channels_last, " + ("torch.compile" if s.compile else "eager")
+            + f", hpctrain step mode {s.step_mode}")
     if s.cuda:
         mode += f", cudnn.benchmark {'on' if s.cudnn_benchmark else 'off'}"
     lines = [f"# Face parsing throughput ({EXPERIMENT}): {s.name} | {torch_text} | "
@@ -651,7 +654,15 @@ def settings(args: argparse.Namespace) -> Settings:
         raise SystemExit("--size must be at least 32 and --output-stride 8 or 16")
     return Settings(device, batches, steps, warmup, repeats, bool(args.compile), model["backbone"], model["size"],
                     model["output_stride"], model["aspp"], model["decoder"], samples, e2e, faces, workers, smoke,
-                    bool(args.cudnn_benchmark) and cuda, args.workdir, device_name(device))
+                    bool(args.cudnn_benchmark) and cuda, args.workdir, _step_mode(args, cuda), device_name(device))
+
+
+def _step_mode(args: argparse.Namespace, cuda: bool) -> str:
+    if args.step_mode == "graphed" and not cuda:
+        raise SystemExit("--step-mode graphed needs a CUDA device (CUDA graphs)")
+    if args.step_mode == "eager" and args.compile:
+        return "compiled"  # train.compile=true with train.step_mode=eager is refused as a contradiction
+    return args.step_mode
 
 
 def parser() -> argparse.ArgumentParser:
@@ -688,6 +699,10 @@ def parser() -> argparse.ArgumentParser:
                         "the warm-up (default: eager)")
     p.add_argument("--cudnn-benchmark", dest="cudnn_benchmark", action=argparse.BooleanOptionalAction, default=False,
                    help="torch.backends.cudnn.benchmark for every loop (default off, as hpctrain runs)")
+    p.add_argument("--step-mode", dest="step_mode", choices=("eager", "graphed"), default="eager",
+                   help="hpctrain's train.step_mode in its rows (graphed: the whole step captured as a CUDA graph, "
+                        "after its eager warm-up; with --compile the compiled model is captured); the plain loop "
+                        "stays eager (default eager)")
     p.add_argument("--json", default="", metavar="PATH", help="also write the numbers as JSON")
     p.add_argument("--prepare-only", action="store_true",
                    help="generate and shard the face set into --workdir and exit, e.g. on a CPU machine before a GPU "

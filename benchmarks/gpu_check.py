@@ -382,11 +382,13 @@ QUICK_FACES = 2000
 
 
 def _tests_parallel(ctx: Context) -> list[str]:
-    """tests/gpu as three concurrent pytest processes: each of the two compile tests (CPU-bound tracing and Inductor,
-    about a minute each) beside the rest, so that compilation does not add to everything else's time."""
+    """tests/gpu as four concurrent pytest processes: each of the two compile tests (CPU-bound tracing and Inductor,
+    about a minute each) and the graphed-step tests (three launches) beside the rest, so that none adds to the
+    others' time."""
     return [ctx.python, "benchmarks/pytest_parallel.py", "--junit-prefix", str(ctx.out / "tests-gpu"), "--",
             "tests/gpu", "-k", "compiled_digits", ":::", "tests/gpu", "-k", "faceseg_from_shards", ":::",
-            "tests/gpu", "-k", "not compiled_digits and not faceseg_from_shards"]
+            "tests/gpu/test_step_graphed.py", ":::",
+            "tests/gpu", "--ignore=tests/gpu/test_step_graphed.py", "-k", "not compiled_digits and not faceseg_from_shards"]
 
 
 def _faces_dir(ctx: Context) -> str:
@@ -395,15 +397,25 @@ def _faces_dir(ctx: Context) -> str:
 
 QUICK: list[Stage] = [
     Stage("tests-gpu", _tests_parallel, QUICK_TESTS_S, numbers=pytest_numbers),
-    # Eager (compilation is the step-off-the-host issue's, and 80 s of it would not fit), short windows.
+    # Eager and graphed at the reference micro batch, twice it, and the reference global batch; short windows.
     Stage("ddpm-throughput", lambda ctx: [ctx.python, "benchmarks/ddpm_throughput.py", "--device", "cuda", "--micro",
-                                          "64,128", "--steps", "20", "--warmup", "5", "--repeats", "3", "--no-compile",
-                                          "--json", str(ctx.out / "ddpm-throughput.json")], 100, numbers=table_numbers),
+                                          "64,128,384", "--steps", "20", "--warmup", "5", "--repeats", "3", "--modes",
+                                          "eager,graphed", "--json", str(ctx.out / "ddpm-throughput.json")], 170,
+          numbers=table_numbers),
     Stage("faceseg-throughput", lambda ctx: [ctx.python, "benchmarks/faceseg_throughput.py", "--device", "cuda",
                                              "--batches", "16", "32", "--steps", "15", "--warmup", "5", "--repeats",
-                                             "3", "--no-compile", "--faces", str(QUICK_FACES), "--workdir",
+                                             "3", "--no-compile", "--step-mode", "graphed", "--faces", str(QUICK_FACES),
+                                             "--workdir",
                                              _faces_dir(ctx), "--json", str(ctx.out / "faceseg-throughput.json")],
           150, numbers=table_numbers),
+    # The compiled model captured (the issue's goals' technique): about 80 s of compilation per batch size and loop
+    # pair on an H100 node, so this one comes after the eager and graphed rows of both
+    # experiments (the budget cuts it on a slow node).
+    Stage("ddpm-throughput-compiled", lambda ctx: [ctx.python, "benchmarks/ddpm_throughput.py", "--device", "cuda",
+                                                   "--micro", "64,384", "--steps", "20", "--warmup", "5", "--repeats",
+                                                   "3", "--modes", "graphed-compiled", "--json",
+                                                   str(ctx.out / "ddpm-throughput-compiled.json")], 300,
+          numbers=table_numbers),
     Stage("checkpoint-stall", lambda ctx: [ctx.python, "benchmarks/checkpoint.py", "--repeats", "2", "--device", "cuda",
                                            "--dir", str(ctx.out)], 90, numbers=checkpoint_numbers),
     Stage("doctor-perf", _doctor_perf, 60, numbers=preflight_numbers),

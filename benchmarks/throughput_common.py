@@ -39,6 +39,12 @@ class HpctrainLoop:
                                  pretrained=False)
         self.ctx.checkpointer = NoCheckpoint()
 
+    def warm(self, steps: int) -> None:
+        """``steps`` warm-up steps, and under train.step_mode=graphed as many more as the step needs to be captured
+        (its eager warm-up, then the capture): the timed windows then only replay."""
+        pending = getattr(self.ctx.stepper, "warmup_left", None)
+        self.run(steps + (pending + 1 if pending is not None and self.ctx.stepper.graph is None else 0))
+
     def run(self, steps: int) -> None:
         from hpctrain.train import loop
 
@@ -65,8 +71,13 @@ def timed_window(run: Callable[[int], None], steps: int, device: torch.device, m
         torch.cuda.reset_peak_memory_stats(device)
     started = time.perf_counter()
     run(steps)
+    enqueued = time.perf_counter()
     sync(device)
     m.seconds.append(time.perf_counter() - started)
+    # The host's time to enqueue the window (to the GPU's end: seconds). Close to seconds: the host bounds the step,
+    # or it waited for the GPU inside (a full launch queue, a synchronisation); far below: the GPU bounds it.
+    if hasattr(m, "enqueue_seconds"):
+        m.enqueue_seconds.append(enqueued - started)
     if device.type == "cuda":
         m.transient_bytes = max(m.transient_bytes, torch.cuda.max_memory_allocated(device) - base)
 

@@ -141,7 +141,7 @@ def test_the_quick_check_is_ordered_by_value_and_fits_its_budget(gc):
     """Correctness first (tests/gpu within 3 minutes), then the two reference experiments' throughput, then the rest;
     the whole within 8 minutes on one H100."""
     names = [s.name for s in gc.QUICK]
-    assert names[:3] == ["tests-gpu", "ddpm-throughput", "faceseg-throughput"]
+    assert names[:4] == ["tests-gpu", "ddpm-throughput", "faceseg-throughput", "ddpm-throughput-compiled"]
     assert gc.QUICK_BUDGET_S <= 480 and gc.QUICK[0].timeout_s <= 180
     ctx = gc.Context(Path("/r"), {"gpu_count": 1}, python="py", faces_dir="/carried/faces")
     tests = gc.QUICK[0].command(ctx)

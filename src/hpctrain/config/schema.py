@@ -51,12 +51,25 @@ class TrainSection:
     """Run torch.compile on the DDP-wrapped model (torch's order for compiled DDP: gradient all-reduces overlap the
     compiled backward). The first steps are slow while it compiles. A graph that fails to compile runs eagerly, with
     torch's warning in the log (dynamo's suppress_errors fallback), instead of ending the run."""
+    step_mode: Literal["auto", "eager", "compiled", "graphed"] = "auto"
+    """Who runs the optimizer step (train/step.py). eager: Python launches every kernel. compiled: the model under
+    torch.compile (train.compile=true is the same). graphed: the whole step (forward, backward, gradient sync,
+    clipping, optimizer, EMA) captured once as a CUDA graph and replayed: one launch per step instead of thousands;
+    GPUs only, bf16 or fp32, one process or DDP over NCCL; with train.compile=true the compiled kernels are what is
+    captured. auto: graphed for one process on a GPU, else compiled with train.compile=true, else eager; the
+    start-up line says which and why."""
     channels_last: bool = False
     """Use the channels_last memory format for 4-D inputs and weights (faster convolutions on tensor cores)."""
     sync_batchnorm: Literal["auto", "on", "off"] = "auto"
     """Batch-norm statistics over the global micro-batch (torch's SyncBatchNorm, one all-reduce per BN layer per
     forward) instead of each GPU's own. auto: on for GPU runs with more than one process and a model with batch
     norm; on: the same, and an error on CPUs (torch's SyncBatchNorm runs only on GPUs); off: per-GPU statistics."""
+
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the model runs under torch.compile (train.compile, or train.step_mode=compiled)."""
+        return self.compile or self.step_mode == "compiled"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -79,6 +79,9 @@ def validate(cfg: RunConfig) -> None:
     _require(not bad, "alert.events", f"unknown event(s) {bad}; choose from {sorted(ALERT_EVENTS)}")
     _require(cfg.alert.timeout_s > 0, "alert.timeout_s", "must be positive")
     _require(cfg.dist.bucket_cap_mb > 0, "dist.bucket_cap_mb", "must be positive")
+    _require(not (cfg.train.compile and cfg.train.step_mode == "eager"), "train.step_mode",
+             "'eager' contradicts train.compile=true (which compiles the model)",
+             "drop one: train.step_mode=compiled alone compiles, train.step_mode=eager alone does not.")
     if cfg.dist.strategy == "fsdp":
         _require(cfg.dist.grad_compression == "none", "dist.grad_compression",
                  f"'{cfg.dist.grad_compression}' is a DDP communication hook and does not apply to dist.strategy=fsdp",
@@ -87,6 +90,9 @@ def validate(cfg: RunConfig) -> None:
         _require(cfg.train.sync_batchnorm != "on", "train.sync_batchnorm",
                  "'on' is not supported with dist.strategy=fsdp (batch norm statistics stay per rank under fsdp)",
                  "set train.sync_batchnorm=auto or off, or use dist.strategy=ddp or zero1.")
+        _require(cfg.train.step_mode != "compiled", "train.step_mode",
+                 "'compiled' is not supported with dist.strategy=fsdp yet (the same inductor failure as train.compile)",
+                 "set train.step_mode=auto or eager with fsdp.")
         _require(not cfg.train.compile, "train.compile",
                  "is not supported with dist.strategy=fsdp yet: compiling the whole FSDP2 model fails in torch 2.14's "
                  "inductor (measured: 'Cannot convert expression to float' in the recompile for the validation batch)",

@@ -26,7 +26,7 @@ def place_model(model: nn.Module, cfg: RunConfig, runtime: Runtime) -> nn.Module
     if cfg.dist.strategy != "fsdp" and use_sync_batchnorm(model, cfg.train.sync_batchnorm, runtime):
         # Before DDP (which must see the final modules); same parameters and buffers, so checkpoints load either way.
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        if cfg.train.compile and runtime.is_main:
+        if cfg.train.compiled and runtime.is_main:
             log.warning("train.compile with SyncBatchNorm: torch.compile breaks its graph at every SyncBatchNorm "
                         "(a collective in the forward), so little is compiled; measure both, or set "
                         "train.sync_batchnorm=off (per-GPU statistics) to compile the whole model")
@@ -54,7 +54,7 @@ def wrap_model(model: nn.Module, cfg: RunConfig, runtime: Runtime, blocks: list[
             model = shard_model(model, cfg, runtime, blocks or [], companions, param_dtype)
         else:
             model = _ddp(model, cfg, runtime)
-    if cfg.train.compile:
+    if cfg.train.compiled:
         # Compile the DDP module, not the other way round (torch's documented order): dynamo's DDPOptimizer then
         # splits the graph at DDP's bucket boundaries, so each bucket's all-reduce starts while the backward of
         # the earlier layers still runs. A compiled module inside DDP runs its whole backward as one graph, and

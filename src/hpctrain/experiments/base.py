@@ -105,6 +105,9 @@ class Experiment(ABC):
     """Dotted-key defaults that replace hpctrain's for this experiment (below the TOML file and the command line)."""
     main_metric: ClassVar[str] = "loss"
     """The validation metric a report leads with."""
+    graphable: ClassVar[bool] = True
+    """Whether train_loss can run inside a captured CUDA graph (train.step_mode=graphed): no host synchronisation
+    (.item(), a data-dependent shape), no CPU tensors, per-sample draws through BatchInfo. False: auto runs eagerly."""
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg

@@ -109,7 +109,7 @@ def _endless(ctx):
 def _timed_step(ctx, host_batch) -> tuple[float, float, float]:
     from hpctrain.experiments.base import BatchInfo, call_train_loss
     from hpctrain.train.device import to_device
-    from hpctrain.train.loop import apply_gradients
+    from hpctrain.train.step import apply_gradients
 
     device = ctx.runtime.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

@@ -58,6 +58,12 @@ class TrainContext:
     total_steps: int
     checkpointer: Checkpointer
     fault: FaultState
+    stepper: Any = field(default_factory=lambda: _eager())
+    """The owner of the optimizer step (train/step.py): EagerStep or GraphedStep, per train.step_mode."""
+    compile_cache: Any = None
+    """The run's torch.compile cache (train/compile_cache.py) when the model is compiled: saved after checkpoints."""
+    step_choice: Any = None
+    """The resolved train.step_mode and why (train/step.py StepChoice), for the start-up line."""
     metrics: MetricsLogger = field(default_factory=lambda: MetricsLogger([]))
     """Replaced once the start step is known (after restore); silent until then."""
 
@@ -82,3 +88,9 @@ class TrainContext:
     def shipped_model(self) -> nn.Module:
         """The weights a run ships, validates and samples from: the EMA ones when optim.ema_decay > 0."""
         return self.ema.module if self.ema is not None else self.raw_model
+
+
+def _eager():
+    from hpctrain.train.step import EagerStep
+
+    return EagerStep()

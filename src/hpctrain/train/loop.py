@@ -1,22 +1,20 @@
-"""The training loop. Read top to bottom: one optimizer step, then what happens after it."""
+"""The training loop. Read top to bottom: one optimizer step (its owner: train/step.py), then what happens after
+it."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
 from hpctrain.checkpoint.policy import save_due
 from hpctrain.dist.collectives import all_reduce_sums, broadcast_buffers
-from hpctrain.dist.wrap import ddp_of, fsdp_of, full_value, place_model
-from hpctrain.experiments.base import BatchInfo, call_train_loss, has_outputs
+from hpctrain.dist.wrap import fsdp_of, place_model
+from hpctrain.experiments.base import has_outputs
 from hpctrain.train.context import TrainContext
-from hpctrain.train.device import to_device
 from hpctrain.train.evaluate import evaluate
 from hpctrain.train.optim import base_lr
 from hpctrain.train.outputs import Outputs, run_outputs
@@ -50,7 +48,7 @@ def train(ctx: TrainContext) -> LoopResult:
         epoch = ctx.state.epoch
         while ctx.state.step < ctx.end_step and ctx.state.epoch == epoch:
             window.lr = base_lr(ctx.optimizer)  # the rate this step uses; the scheduler moves it after
-            loss, grad_norm = optimizer_step(ctx, batches, window)
+            loss, grad_norm = ctx.stepper(ctx, batches, window)  # eager, compiled or graphed: train/step.py
             ctx.state.advance(ctx.plan.global_batch_size, ctx.sampler.steps_per_epoch)
             window.add(loss, grad_norm)
             val, stop_signal = after_step(ctx, window, epoch_ended=ctx.state.epoch != epoch)
@@ -59,76 +57,6 @@ def train(ctx: TrainContext) -> LoopResult:
             if stop_signal:
                 return LoopResult(last_val, stop_signal, val_step)
     return LoopResult(last_val, 0, val_step)
-
-
-def optimizer_step(ctx: TrainContext, batches: Iterator, window: "_Window") -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One optimizer step over grad_accum micro-batches; returns this rank's mean loss (on device, no sync)."""
-    accum = ctx.plan.grad_accum
-    if accum == 1:
-        # The usual case, without an accumulator tensor and its two ops per step: (0 + x) / 1 is x, bit for bit.
-        loss = micro_step(ctx, batches, window, micro=0)
-    else:
-        loss_sum = torch.zeros((), device=ctx.runtime.device)
-        for micro in range(accum):
-            loss_sum += micro_step(ctx, batches, window, micro)
-        loss = loss_sum / accum
-    ctx.fault.heartbeat.mark("optimizer")
-    return loss, apply_gradients(ctx)
-
-
-def micro_step(ctx: TrainContext, batches: Iterator, window: "_Window", micro: int) -> torch.Tensor:
-    """Forward and backward of micro-batch ``micro`` of this rank's part of the step; returns its loss, detached,
-    in fp32."""
-    model, accum, hb, plan = ctx.model, ctx.plan.grad_accum, ctx.fault.heartbeat, ctx.plan
-    last = micro == accum - 1
-    hb.mark("data")
-    waited = time.perf_counter()
-    host_batch = next(batches)
-    window.data_wait += time.perf_counter() - waited  # time the loader, not the model, held this rank up
-    batch = to_device(host_batch, ctx.runtime.device, ctx.cfg.train.channels_last)
-    with _gradient_sync(model, last):
-        hb.mark("forward")
-        # Where these samples sit in the global batch: per-sample draws then do not depend on the world size.
-        info = BatchInfo("train", ctx.state.step, ctx.runtime.rank * plan.per_rank + micro * plan.micro_batch_size,
-                         plan.global_batch_size, ctx.cfg.run.seed)
-        with ctx.precision.autocast():
-            loss = call_train_loss(ctx.experiment, model, batch, info)
-        hb.mark("backward")
-        # loss is a micro-batch mean; / accum makes the accumulated gradient this rank's mean,
-        # and DDP averages over ranks: the gradient of the mean over the global batch. Not divided
-        # by 1: an op per step for the same gradient.
-        ctx.scaler.scale(loss / accum if accum > 1 else loss).backward()
-    return loss.detach().float()
-
-
-def _gradient_sync(model: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager:
-    """Gradients are reduced over the ranks only in the last micro-step of an optimizer step: before it that work
-    would be thrown away. DDP (ddp, zero1) all-reduces during backward unless inside no_sync(); FSDP2
-    reduce-scatters unless told not to (it then accumulates unsharded gradients until the last micro-step)."""
-    fsdp = fsdp_of(model)  # under torch.compile too: the compiled module wraps DDP or FSDP
-    if fsdp is not None:
-        fsdp.set_requires_gradient_sync(last)
-        return contextlib.nullcontext()
-    ddp = ddp_of(model)
-    return contextlib.nullcontext() if last or ddp is None else ddp.no_sync()
-
-
-def apply_gradients(ctx: TrainContext) -> torch.Tensor | None:
-    """Clip, step, zero, schedule, average: what follows the backward passes; returns the gradient norm
-    when clipping (on device, no sync)."""
-    grad_norm = None
-    if ctx.cfg.train.grad_clip > 0:
-        ctx.scaler.unscale_(ctx.optimizer)  # clip the true gradient, not the fp16-scaled one
-        # The global norm under every strategy: under fsdp the gradients are DTensor shards, and torch reduces
-        # their norms over the ranks (every parameter is sharded, the root included; see dist/wrap.py).
-        grad_norm = full_value(torch.nn.utils.clip_grad_norm_(ctx.raw_model.parameters(), ctx.cfg.train.grad_clip))
-    ctx.scaler.step(ctx.optimizer)
-    ctx.scaler.update()
-    ctx.optimizer.zero_grad(set_to_none=True)
-    ctx.scheduler.step()
-    if ctx.ema is not None:
-        ctx.ema.update_parameters(ctx.raw_model)
-    return grad_norm
 
 
 def after_step(ctx: TrainContext, window: "_Window", epoch_ended: bool) -> tuple[dict[str, float] | None, int]:
@@ -175,6 +103,8 @@ def after_step(ctx: TrainContext, window: "_Window", epoch_ended: bool) -> tuple
 def _save(ctx: TrainContext, wait: bool) -> None:
     ctx.fault.heartbeat.mark("checkpoint")
     ctx.checkpointer.save(ctx.state.to_dict(), ctx.stateful(), capture_rng(ctx.runtime.device), wait=wait)
+    if ctx.compile_cache is not None:
+        ctx.compile_cache.save()  # rank 0, when it grew: what a requeued launch on another node loads
     ctx.fault.heartbeat.mark("sync")  # out of the checkpoint phase: its control-plane limit must not cover what follows
     ctx.fault.last_save = time.monotonic()
 

@@ -15,14 +15,17 @@ from hpctrain.errors import UserError
 
 def build_optimizer(model: nn.Module, cfg: OptimSection, fused: bool = False,
                     groups: Sequence[Mapping[str, Any]] | None = None, zero: bool = False) -> torch.optim.Optimizer:
-    """``groups``: the experiment's parameter groups (Experiment.param_groups), each ``{"params": [...],
+    """``fused`` (GPUs): torch's fused kernels, one launch per group instead of a foreach chain; a captured step
+    (train.step_mode=graphed) needs them (tensor learning rate, the skip on a non-finite gradient).
+    ``groups``: the experiment's parameter groups (Experiment.param_groups), each ``{"params": [...],
     "lr_scale": float}`` (lr_scale default 1: a group learns at optim.lr x lr_scale, under the same schedule);
     None: one group of all parameters. ``zero`` (dist.strategy=zero1): torch's ZeroRedundancyOptimizer around
     the same optimizer and groups; each rank keeps the state of its partition of the parameters, steps it, and
     broadcasts its updated parameters."""
     groups = _split_decay(check_groups(model, groups), cfg.weight_decay, cfg.lr)
     if cfg.name == "sgd":
-        cls, kwargs = torch.optim.SGD, {"lr": cfg.lr, "momentum": cfg.momentum, "nesterov": cfg.momentum > 0}
+        cls, kwargs = torch.optim.SGD, {"lr": cfg.lr, "momentum": cfg.momentum, "nesterov": cfg.momentum > 0,
+                                        "fused": fused or None}
     else:
         cls, kwargs = torch.optim.AdamW, {"lr": cfg.lr, "betas": cfg.betas, "fused": fused or None}
     if not zero:

@@ -19,10 +19,12 @@ class Precision:
     """Autocast dtype, or None for plain fp32."""
     device_type: str
 
-    def autocast(self) -> ContextManager:
+    def autocast(self, cache: bool = True) -> ContextManager:
+        """cache=False inside a captured CUDA graph: autocast's cache of weight casts would hold tensors made
+        during capture and be reused by later eager code (torch.cuda.make_graphed_callables' rule)."""
         if self.dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.device_type, dtype=self.dtype)
+        return torch.autocast(self.device_type, dtype=self.dtype, cache_enabled=cache)
 
     def build_scaler(self) -> torch.amp.GradScaler:
         # bf16 has fp32's exponent range and needs no loss scaling; fp16 does.

@@ -42,6 +42,8 @@ from hpctrain.train.context import FaultState, TrainContext
 from hpctrain.train.ema import build_ema
 from hpctrain.train.evaluate import evaluate
 from hpctrain.train.optim import build_optimizer, build_scheduler
+from hpctrain.train.compile_cache import CompileCache
+from hpctrain.train.step import build_step, choose_step_mode
 from hpctrain.train.precision import resolve_precision
 from hpctrain.train.rng import restore_rng, seed_everything, seed_rank_streams
 from hpctrain.train.rundir import prepare_run_dir, set_aside_records, write_config
@@ -82,6 +84,7 @@ def build_context(
         val_loader = build_loader(data.val, val_sampler, cfg.data, runtime, collate_fn=data.collate_fn)
     precision = resolve_precision(cfg.train.precision, runtime.device)
     check_strategy(cfg, runtime, precision)
+    step_choice = choose_step_mode(cfg, runtime, precision, experiment.graphable)
     model = place_model(model, cfg, runtime)
     # The EMA copy is made before wrapping: FSDP2 modules refuse deepcopy, and under fsdp the copy is sharded
     # like the model (each rank averages its own shards).
@@ -105,6 +108,8 @@ def build_context(
         optimizer=optimizer,
         scheduler=build_scheduler(optimizer, cfg.optim, total_steps),
         scaler=precision.build_scaler(),
+        stepper=build_step(step_choice),
+        step_choice=step_choice,
         ema=ema,
         precision=precision,
         sampler=sampler,
@@ -230,6 +235,9 @@ def run_training(cfg: RunConfig, runtime: Runtime, experiment: Experiment, confi
                     log.warning("fresh start: %s held an earlier attempt's records (no checkpoint to resume); "
                                 "kept as %s, this run's start anew", cfg.run_dir, kept.name)
         _announce(ctx, resumed)
+        if cfg.train.compiled:  # before the first compiled step: a requeued job on another node does not compile again
+            ctx.compile_cache = CompileCache(Path(cfg.run_dir), runtime.device, runtime.is_main, runtime.local_rank)
+            ctx.compile_cache.load()
         ctx.metrics = build_metrics_logger(
             runtime.is_main, Path(cfg.run_dir), cfg.log.progress, cfg.log.tensorboard,
             ctx.total_steps, ctx.state.step, stdout_is_terminal(),
@@ -377,6 +385,8 @@ def _announce(ctx: TrainContext, resumed) -> None:
         p.global_batch_size, p.micro_batch_size, p.world_size, p.grad_accum, ctx.total_steps,
         ctx.sampler.steps_per_epoch,
     )
+    if ctx.step_choice is not None:
+        log.info("step: %s (%s)", ctx.step_choice.mode, ctx.step_choice.reason)
     if resumed is not None:
         log.info(
             "resumed from %s at step %d (epoch %d, step %d of it), saved by %d process(es)",

@@ -1,0 +1,484 @@
+"""The one owner of the optimizer step (train.step_mode): eager, compiled, or graphed.
+
+eager and compiled run the step as Python drives it (compiled: the model under torch.compile, chosen when the model
+is wrapped). graphed captures the whole optimizer step once with torch.cuda.graph and replays it every step:
+k x (forward, backward), the gradient sync, clipping, a non-finite check, the fused optimizer with a learning rate
+held in device tensors, and the EMA. The host then launches one graph per step instead of ~2,700 kernels (the DDPM
+U-Net), which is what bounds the reference experiments' step on an H100 (BENCHMARKS.md). torch's
+``mode="reduce-overhead"`` graphs only the compiled model and leaves the optimizer, the EMA and autograd on the host;
+this is the hand capture MLPerf submissions and torchtitan's graph trainer use, written here because no library of
+the field offers it for an arbitrary training step.
+
+What stays on the host, outside the graph, and why (each keeps a guarantee of the eager loop):
+- the batches: the host sampler and loader as in eager mode, each micro-batch copied into a static slot;
+- the per-sample draws (BatchInfo.randn/rand/randint): drawn by position outside the graph, copied into static
+  buffers, so they stay world-size invariant (their generators are seeded per step, which a replay cannot do);
+- the learning-rate schedule: the scheduler moves the optimizer's float rates as in eager mode (so checkpoints are
+  unchanged), and each replay first copies them into the device tensors the captured optimizer reads;
+- the stop vote, heartbeats, logging, validation and checkpoints, between replays as between eager steps.
+The loss and gradient norm come back as device tensors (read by the log window, one step late, never with .item()).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from hpctrain.config.schema import RunConfig
+from hpctrain.dist.runtime import Runtime
+from hpctrain.dist.wrap import ddp_of, fsdp_of, full_value
+from hpctrain.errors import UserError
+from hpctrain.experiments.base import BatchInfo, call_train_loss
+from hpctrain.train.device import to_device
+from hpctrain.train.precision import Precision
+
+log = logging.getLogger("hpctrain")
+
+WARMUP_STEPS = 11
+"""Eager steps each launch runs before capturing (torch's CUDA notes: at least 11 under DDP, for its bucket
+rebuilding; they also create the optimizer state, the cuDNN/cuBLAS handles and, with train.compile, the compiled
+kernels, none of which may be created during capture). They are real training steps, not thrown away."""
+MAX_AHEAD = 2
+"""Replays the host may enqueue before the GPU has finished them: heartbeats then mean the GPU is progressing (a
+hung kernel stops the host within two steps), and the host cannot run arbitrarily far ahead of a slow GPU."""
+
+
+# ---- choosing the mode -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StepChoice:
+    mode: str
+    """eager, compiled or graphed: what runs."""
+    reason: str
+    """Why, for the start-up line (train.step_mode=auto says what it picked and why)."""
+
+
+def graph_refusal(cfg: RunConfig, runtime: Runtime, precision: Precision, graphable: bool = True) -> str | None:
+    """Why the whole step cannot be captured here, or None when it can."""
+    if runtime.device.type != "cuda":
+        return "CUDA graphs need a GPU and this run is on the CPU"
+    if precision.name == "fp16":
+        return ("fp16 needs GradScaler's loss-scale update on the host between steps; use train.precision=bf16 "
+                "(GPUs from Ampere on)")
+    if runtime.distributed and cfg.dist.strategy != "ddp":
+        return f"dist.strategy={cfg.dist.strategy} over {runtime.world_size} processes is not captured yet (ddp is)"
+    if runtime.distributed and runtime.backend != "nccl":
+        return f"the {runtime.backend} backend's collectives cannot be captured (NCCL's can)"
+    if cfg.optim.name not in ("adamw", "sgd"):
+        return f"optim.name={cfg.optim.name} has no fused implementation to capture"
+    if not graphable:
+        return "the experiment sets graphable=False (its train_loss synchronises with the host)"
+    return None
+
+
+def choose_step_mode(cfg: RunConfig, runtime: Runtime, precision: Precision, graphable: bool = True) -> StepChoice:
+    """train.step_mode resolved on this rank's device. auto: graphed on CUDA where the run allows it, in one process
+    (multi-process capture under DDP follows torch's recipe but has not been run on several GPUs yet, so it is opt-in);
+    else compiled when train.compile=true, else eager. graphed where it cannot run: an error that says why."""
+    requested = cfg.train.step_mode
+    refusal = graph_refusal(cfg, runtime, precision, graphable)
+    if requested == "graphed":
+        if refusal:
+            raise UserError(f"train.step_mode=graphed: {refusal}",
+                            "use train.step_mode=auto (graphed where it can run, eager elsewhere) or eager.")
+        return StepChoice("graphed", "asked for (train.step_mode=graphed)")
+    if requested == "auto":
+        if refusal is None and not runtime.distributed:
+            return StepChoice("graphed", "auto: one process on CUDA")
+        if refusal is None:
+            refusal = "capture under DDP over several GPUs is opt-in (train.step_mode=graphed)"
+        other = "compiled" if cfg.train.compile else "eager"
+        return StepChoice(other, f"auto: not graphed, {refusal}")
+    return StepChoice(requested, f"asked for (train.step_mode={requested})")
+
+
+# ---- eager ---------------------------------------------------------------------------------------------------
+
+class EagerStep:
+    """The step as Python drives it (eager and compiled modes)."""
+
+    mode = "eager"
+
+    def __init__(self, cache: bool = True) -> None:
+        self.cache = cache
+        """Autocast's weight-cast cache; off in a graphed step's eager steps, as in its capture (a compiled model
+        would otherwise see another autocast state there, and recompile during the capture)."""
+
+    def __call__(self, ctx, batches: Iterator, window) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One optimizer step over grad_accum micro-batches; returns this rank's mean loss (on device, no sync)."""
+        accum, step = ctx.plan.grad_accum, ctx.state.step
+        if accum == 1:
+            # The usual case, without an accumulator tensor and its two ops per step: (0 + x) / 1 is x, bit for bit.
+            loss = micro_step(ctx, fetch(ctx, batches, window), step, 0, cache=self.cache)
+        else:
+            loss_sum = torch.zeros((), device=ctx.runtime.device)
+            for micro in range(accum):
+                loss_sum += micro_step(ctx, fetch(ctx, batches, window), step, micro, cache=self.cache)
+            loss = loss_sum / accum
+        ctx.fault.heartbeat.mark("optimizer")
+        return loss, apply_gradients(ctx)
+
+
+def fetch(ctx, batches: Iterator, window) -> Any:
+    """The next micro-batch, on the device; the time the loader held this rank up goes into the log window."""
+    ctx.fault.heartbeat.mark("data")
+    waited = time.perf_counter()
+    host_batch = next(batches)
+    window.data_wait += time.perf_counter() - waited
+    return to_device(host_batch, ctx.runtime.device, ctx.cfg.train.channels_last)
+
+
+def batch_info(ctx, step: int, micro: int) -> BatchInfo:
+    """Where micro-batch ``micro`` of this rank sits in the global batch: per-sample draws then do not depend on the
+    world size."""
+    plan = ctx.plan
+    return BatchInfo("train", step, ctx.runtime.rank * plan.per_rank + micro * plan.micro_batch_size,
+                     plan.global_batch_size, ctx.cfg.run.seed)
+
+
+def micro_step(ctx, batch: Any, step: int, micro: int, info: Any = None, cache: bool = True) -> torch.Tensor:
+    """Forward and backward of micro-batch ``micro``; returns its loss, detached, in fp32."""
+    model, accum, hb = ctx.model, ctx.plan.grad_accum, ctx.fault.heartbeat
+    with gradient_sync(model, micro == accum - 1):
+        hb.mark("forward")
+        with ctx.precision.autocast(cache=cache):
+            loss = call_train_loss(ctx.experiment, model, batch, batch_info(ctx, step, micro) if info is None else info)
+        hb.mark("backward")
+        # loss is a micro-batch mean; / accum makes the accumulated gradient this rank's mean, and DDP averages over
+        # ranks: the gradient of the mean over the global batch. Not divided by 1: an op per step for the same result.
+        ctx.scaler.scale(loss / accum if accum > 1 else loss).backward()
+    return loss.detach().float()
+
+
+def gradient_sync(model: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager:
+    """Gradients are reduced over the ranks only in the last micro-step of an optimizer step: before it that work
+    would be thrown away. DDP (ddp, zero1) all-reduces during backward unless inside no_sync(); FSDP2
+    reduce-scatters unless told not to (it then accumulates unsharded gradients until the last micro-step)."""
+    fsdp = fsdp_of(model)  # under torch.compile too: the compiled module wraps DDP or FSDP
+    if fsdp is not None:
+        fsdp.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+    ddp = ddp_of(model)
+    return contextlib.nullcontext() if last or ddp is None else ddp.no_sync()
+
+
+def apply_gradients(ctx) -> torch.Tensor | None:
+    """Clip, step, zero, schedule, average: what follows the backward passes; returns the gradient norm
+    when clipping (on device, no sync)."""
+    grad_norm = None
+    if ctx.cfg.train.grad_clip > 0:
+        ctx.scaler.unscale_(ctx.optimizer)  # clip the true gradient, not the fp16-scaled one
+        # The global norm under every strategy: under fsdp the gradients are DTensor shards, and torch reduces
+        # their norms over the ranks (every parameter is sharded, the root included; see dist/wrap.py).
+        grad_norm = full_value(torch.nn.utils.clip_grad_norm_(ctx.raw_model.parameters(), ctx.cfg.train.grad_clip))
+    ctx.scaler.step(ctx.optimizer)
+    ctx.scaler.update()
+    ctx.optimizer.zero_grad(set_to_none=True)
+    ctx.scheduler.step()
+    if ctx.ema is not None:
+        ctx.ema.update_parameters(ctx.raw_model)
+    return grad_norm
+
+
+# ---- graphed -------------------------------------------------------------------------------------------------
+
+class StaticDraws:
+    """Stands in for BatchInfo inside the captured step: each draw returns a static device buffer, which
+    :meth:`refill` fills before every replay with the same draw of that step's real BatchInfo."""
+
+    def __init__(self, device: torch.device, prime: BatchInfo | None = None) -> None:
+        self.device = device
+        self.prime = prime
+        """The capture step's own BatchInfo: where the body runs for real while recording (not under a CUDA capture,
+        i.e. the CPU stand-in of the tests), a new buffer holds that step's draw rather than garbage."""
+        """The run's device: a draw elsewhere (on the host) cannot be part of its graph."""
+        self.draws: list[tuple[str, tuple, dict, torch.Tensor]] = []
+        self.cursor = 0
+        """Draws handed out since the last refill: a body run again in Python (the CPU stand-in for a graph in the
+        tests) gets the same buffers in the same order."""
+
+    def _record(self, name: str, args: tuple, device: Any, stream: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        if self.cursor < len(self.draws):
+            self.cursor += 1
+            return self.draws[self.cursor - 1][3]
+        self.cursor += 1
+        device = torch.device(device)
+        if device.type != self.device.type:
+            raise CaptureError(f"BatchInfo.{name}(..., device='{device}') inside the step captured on {self.device}: "
+                               "a tensor on another device cannot be part of its graph; draw with device=<the batch's "
+                               "device>")
+        buffer = torch.empty(shape, dtype=dtype, device=device)
+        if self.prime is not None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            buffer.copy_(getattr(self.prime, name)(*args, stream=stream, device=device))
+        self.draws.append((name, args, {"stream": stream, "device": device}, buffer))
+        return buffer
+
+    def randn(self, n: int, *shape: int, stream: int = 0, device: Any = "cpu") -> torch.Tensor:
+        return self._record("randn", (n, *shape), device, stream, (n, *shape), torch.float32)
+
+    def rand(self, n: int, *shape: int, stream: int = 0, device: Any = "cpu") -> torch.Tensor:
+        return self._record("rand", (n, *shape), device, stream, (n, *shape), torch.float32)
+
+    def randint(self, high: int, n: int, stream: int = 0, device: Any = "cpu") -> torch.Tensor:
+        return self._record("randint", (high, n), device, stream, (n,), torch.int64)
+
+    def __getattr__(self, name: str) -> Any:
+        # step, start, total, seed, split: a value read during capture would be frozen into every replay.
+        raise CaptureError(f"BatchInfo.{name} read inside the captured step: its value would be the same at every "
+                           "replay; draw with info.randn/rand/randint, or set graphable = False on the experiment")
+
+    def refill(self, info: BatchInfo) -> None:
+        self.cursor = 0
+        for name, args, kwargs, buffer in self.draws:
+            buffer.copy_(getattr(info, name)(*args, **kwargs))
+
+
+class CaptureError(RuntimeError):
+    """What the training step does cannot be captured (said in the message)."""
+
+
+class CudaGraph:
+    """torch.cuda.graph, behind the small interface GraphedStep uses (tests replace it on the CPU)."""
+
+    def __init__(self) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+
+    def capture(self, body: Callable[[], None]) -> None:
+        failure: list[BaseException] = []
+        try:
+            # thread_local: the checkpoint writer and the heartbeat threads may use CUDA while this thread captures.
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                try:
+                    body()
+                except BaseException as e:  # noqa: BLE001 - ended below, after the capture is closed
+                    failure.append(e)
+        except RuntimeError:
+            if not failure:
+                raise
+        if failure:  # the body's own error says what to change; the capture's end would only say it was invalidated
+            raise failure[0]
+        torch.cuda.empty_cache()  # the eager warm-up's cached blocks: the graph has its own pool from here on
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+    @staticmethod
+    @contextlib.contextmanager
+    def side_stream():
+        """Eager warm-up steps run on a side stream, as torch's notes on whole-network capture require."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            yield
+        torch.cuda.current_stream().wait_stream(stream)
+
+    @staticmethod
+    def event() -> Any:
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+
+class GraphedStep:
+    """The whole optimizer step captured once per launch (after WARMUP_STEPS eager steps) and replayed."""
+
+    mode = "graphed"
+
+    def __init__(self, warmup: int = WARMUP_STEPS, graph_class: type = CudaGraph, fallback: bool = False) -> None:
+        self.warmup_left = warmup
+        self.graph_class = graph_class
+        self.fallback = fallback
+        """train.step_mode=auto: a step that cannot be captured runs eagerly (with a warning) instead of failing."""
+        self.eager = EagerStep(cache=False)
+        self.graph: Any = None
+        self.failed = ""
+        self.pending: collections.deque = collections.deque()
+        self.reshaped_warned = False
+
+    def __call__(self, ctx, batches: Iterator, window) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.failed:
+            return self.eager(ctx, batches, window)
+        if self.graph is None and self.warmup_left > 0:
+            self.warmup_left -= 1
+            with self.graph_class.side_stream():
+                return self.eager(ctx, batches, window)
+        step = ctx.state.step
+        micro = [fetch(ctx, batches, window) for _ in range(ctx.plan.grad_accum)]
+        if self.graph is None:
+            self._capture_or_fall_back(ctx, micro)
+            if self.failed:
+                return self._eager_with(ctx, micro, step)
+        if not self._fits(micro):
+            return self._eager_with(ctx, micro, step)
+        ctx.fault.heartbeat.mark("forward")
+        self._load(ctx, micro, step)
+        self.graph.replay()
+        self._after_replay(ctx)
+        return self.loss_out.clone(), (self.norm_out.clone() if ctx.cfg.train.grad_clip > 0 else None)
+
+    # -- capture -----------------------------------------------------------------------------------------------
+
+    def _capture_or_fall_back(self, ctx, micro: list) -> None:
+        try:
+            self._capture(ctx, micro)
+        except CaptureError as e:
+            self._give_up(ctx, str(e))
+        except RuntimeError as e:  # torch's own refusals: a host sync, a CPU op, an unregistered generator
+            self._give_up(ctx, f"capture failed: {e}")
+
+    def _give_up(self, ctx, why: str) -> None:
+        self._restore_optimizer(ctx.optimizer)
+        if not self.fallback:
+            raise UserError(f"train.step_mode=graphed: {why}",
+                            "use train.step_mode=eager (or auto, which falls back to eager with a warning).")
+        self.failed, self.graph = why, None
+        if ctx.runtime.is_main:
+            log.warning("train.step_mode=auto: the step cannot be captured, running eagerly: %s", why)
+
+    def _capture(self, ctx, micro: list) -> None:
+        device, opt = ctx.runtime.device, ctx.optimizer
+        self.static = [tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, b) for b in micro]
+        self.infos = [StaticDraws(device, batch_info(ctx, ctx.state.step, k)) for k in range(len(micro))]
+        self.lrs = [torch.tensor(float(g["lr"]), dtype=torch.float32, device=device) for g in opt.param_groups]
+        fused = all(g.get("fused") for g in opt.param_groups)
+        self.found_inf = torch.zeros((), dtype=torch.float32, device=device) if fused else None
+        self.ema_weight = None
+        if ctx.ema is not None:
+            self.ema_weight = torch.tensor(1.0 - ctx.ema.decay, dtype=torch.float32, device=device)
+            if int(ctx.ema.n_averaged) == 0:
+                raise CaptureError("the EMA has not been initialised by an eager step before capture")
+        opt.zero_grad(set_to_none=True)  # the captured backward allocates the gradients in the graph's own pool
+        graph = self.graph_class()
+        graph.capture(lambda: self._captured(ctx))
+        self.graph = graph
+        if ctx.runtime.is_main:
+            log.info("step captured as a CUDA graph at step %d (%d micro-batch(es), %d draw(s)); replayed from here",
+                     ctx.state.step, len(micro), sum(len(i.draws) for i in self.infos))
+
+    def _captured(self, ctx) -> None:
+        """The body with the optimizer set up as the graph needs it, and put back after (Python only: the graph
+        keeps the device tensors it read)."""
+        self._prepare_optimizer(ctx.optimizer, ctx.runtime.device)
+        try:
+            self._body(ctx)
+        finally:
+            self._restore_optimizer(ctx.optimizer)
+
+    def _prepare_optimizer(self, opt: torch.optim.Optimizer, device: torch.device) -> None:
+        """The optimizer as the graph needs it while capturing: rates read from device tensors, the step counter on
+        the device (capturable), and the non-finite flag the fused kernels skip on."""
+        self._saved_groups = [dict(g) for g in opt.param_groups]
+        for group, lr in zip(opt.param_groups, self.lrs):
+            group["lr"] = lr
+            if "capturable" in group and device.type == "cuda":
+                group["capturable"] = True
+        if self.found_inf is not None:
+            opt.found_inf = self.found_inf
+
+    def _restore_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        # Floats again outside the graph: the scheduler, the logs and the checkpoints see what eager mode has.
+        for group, saved in zip(opt.param_groups, getattr(self, "_saved_groups", [])):
+            group["lr"] = saved["lr"]
+            if "capturable" in saved:
+                group["capturable"] = saved["capturable"]
+        if hasattr(opt, "found_inf"):
+            del opt.found_inf
+
+    def _body(self, ctx) -> None:
+        """What the graph holds: the eager step's arithmetic, with every host value read from a device tensor."""
+        total = None
+        for k, batch in enumerate(self.static):
+            loss = micro_step(ctx, batch, 0, k, info=self.infos[k], cache=False)
+            total = loss if total is None else total + loss
+        accum = len(self.static)
+        self.loss_out = total / accum if accum > 1 else total
+        params = [p for p in ctx.raw_model.parameters() if p.grad is not None]
+        clip = ctx.cfg.train.grad_clip
+        if clip > 0:
+            norm = full_value(torch.nn.utils.clip_grad_norm_(params, clip, foreach=True))
+        else:
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params])))
+        self.norm_out = norm
+        if self.found_inf is not None:
+            # A step whose gradient is not finite is skipped by the fused optimizer and the EMA (GradScaler's rule).
+            self.found_inf.copy_((~torch.isfinite(norm)).float())
+        ctx.optimizer.step()
+        if ctx.ema is not None:
+            weight = self.ema_weight if self.found_inf is None else self.ema_weight * (1 - self.found_inf)
+            ema_update(ctx.ema, ctx.raw_model, weight)
+
+    # -- every step --------------------------------------------------------------------------------------------
+
+    def _fits(self, micro: list) -> bool:
+        shapes = [[tuple(t.shape) for t in tree_flatten(b)[0] if isinstance(t, torch.Tensor)] for b in micro]
+        return shapes == self.shapes
+
+    @property
+    def shapes(self) -> list:
+        return [[tuple(t.shape) for t in tree_flatten(b)[0] if isinstance(t, torch.Tensor)] for b in self.static]
+
+    def _load(self, ctx, micro: list, step: int) -> None:
+        for k, batch in enumerate(micro):
+            for dst, src in zip(tree_flatten(self.static[k])[0], tree_flatten(batch)[0]):
+                if isinstance(dst, torch.Tensor):
+                    dst.copy_(src, non_blocking=True)
+            self.infos[k].refill(batch_info(ctx, step, k))
+        for tensor, group in zip(self.lrs, ctx.optimizer.param_groups):
+            tensor.fill_(group["lr"])
+
+    def _after_replay(self, ctx) -> None:
+        """What eager mode does on the host after its optimizer step: the schedule and the EMA's counter."""
+        ctx.fault.heartbeat.mark("optimizer")
+        ctx.scheduler.step()
+        if ctx.ema is not None:
+            ctx.ema.n_averaged += 1
+        self.pending.append(self.graph_class.event())
+        while len(self.pending) > MAX_AHEAD:
+            self.pending.popleft().synchronize()
+
+    def _eager_with(self, ctx, micro: list, step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A step with batches the graph was not captured for (a shorter batch): run eagerly. Its gradients must
+        not add to the graph's: those tensors are set aside first (the graph keeps writing its own memory)."""
+        if self.graph is not None and not self.reshaped_warned and ctx.runtime.is_main:
+            self.reshaped_warned = True
+            log.warning("step %d: a batch of another shape than the captured one; such steps run eagerly", step)
+        ctx.optimizer.zero_grad(set_to_none=True)
+        batches = iter(micro)
+        losses = [micro_step(ctx, next(batches), step, k, cache=False) for k in range(len(micro))]
+        ctx.fault.heartbeat.mark("optimizer")
+        loss = torch.stack(losses).mean() if len(losses) > 1 else losses[0]
+        return loss, apply_gradients(ctx)
+
+
+@torch.no_grad()
+def ema_update(ema, model: torch.nn.Module, weight: torch.Tensor) -> None:
+    """EMA.update_parameters' lerp with the weight (1 - decay) in a device tensor, so a captured update reads it
+    at every replay (a Python float would be frozen into the graph)."""
+    import itertools
+
+    from hpctrain.train.ema import _local
+
+    mine = [_local(t) for t in itertools.chain(ema.module.parameters(), ema.module.buffers())]
+    theirs = [_local(t) for t in itertools.chain(model.parameters(), model.buffers())]
+    floats = [(a, b) for a, b in zip(mine, theirs, strict=True) if a.is_floating_point()]
+    if floats:
+        ema_t, cur_t = [a for a, _ in floats], [b for _, b in floats]
+        delta = torch._foreach_sub(cur_t, ema_t)
+        torch._foreach_mul_(delta, weight)
+        torch._foreach_add_(ema_t, delta)
+    for a, b in zip(mine, theirs, strict=True):
+        if not a.is_floating_point():
+            a.copy_(a * (1 - weight) + b * weight)  # eager's formula, truncated by the copy into the integer buffer
+
+
+def build_step(choice: StepChoice) -> EagerStep | GraphedStep:
+    if choice.mode == "graphed":
+        return GraphedStep(fallback=choice.reason.startswith("auto"))
+    return EagerStep()
