@@ -150,13 +150,16 @@ def _context(tmp_path, monkeypatch, *extra: str):
                              write_run_dir=False, pretrained=False)
 
 
-def _train(ctx, steps: int, poison: dict[int, str] | None = None) -> tuple[list[float], list[float | None]]:
+def _train(ctx, steps: int, poison: dict[int, str] | None = None,
+           extra: object = None) -> tuple[list[float], list[float | None]]:
     """``steps`` optimizer steps as loop.train takes them; per step the loss and gradient norm. ``poison``: at a
-    step, 'short' drops a sample from each micro-batch."""
+    step, 'short' drops a sample from each micro-batch. ``extra``: an object appended to every batch."""
     torch.manual_seed(ctx.state.step)  # dropout's draws: the same stream for each of the runs compared
     window = loop._Window(ctx.state.step)
     ctx.sampler.set_position(ctx.state.epoch, ctx.state.step_in_epoch)
     batches = _poisoned(iter(ctx.train_loader), ctx, poison or {})
+    if extra is not None:
+        batches = ((*batch, extra) for batch in batches)
     losses, norms = [], []
     for _ in range(steps):
         loss, norm = ctx.stepper(ctx, batches, window)
@@ -250,3 +253,14 @@ def test_batch_info_is_what_the_graph_refills_from():
     draws.refill(info)
     assert draws.randn(8, 3, stream=1, device="cpu") is buffer  # the body run again gets the same buffer
     assert torch.equal(draws.draws[0][3], info.randn(8, 3, stream=1))
+
+
+def test_a_batch_that_is_not_tensors_is_not_captured(tmp_path, monkeypatch):
+    """An object in the batch (model.gpu_decode's undecoded JPEGs) would be decoded once at capture and never again:
+    refused, and under auto the run goes on eagerly."""
+    ctx = _context(tmp_path, monkeypatch)
+    ctx.stepper = GraphedStep(warmup=1, graph_class=host_replay(ctx), fallback=True)
+    loss = ctx.experiment.train_loss
+    monkeypatch.setattr(ctx.experiment, "train_loss", lambda model, batch, info: loss(model, batch[:1], info))
+    losses, _ = _train(ctx, 3, extra=object())
+    assert ctx.stepper.failed.startswith("the batch holds object, not tensors") and all(map(math.isfinite, losses))

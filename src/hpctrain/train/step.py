@@ -240,6 +240,10 @@ class StaticDraws:
             buffer.copy_(getattr(info, name)(*args, **kwargs))
 
 
+STATIC_LEAVES = (torch.Tensor, int, float, bool, str, type(None))
+"""What a batch may hold to be a graph's input: tensors (copied in at each step) and constants."""
+
+
 class CaptureError(RuntimeError):
     """What the training step does cannot be captured (said in the message)."""
 
@@ -344,6 +348,10 @@ class GraphedStep:
 
     def _capture(self, ctx, micro: list) -> None:
         device, opt = ctx.runtime.device, ctx.optimizer
+        odd = sorted({type(x).__name__ for b in micro for x in tree_flatten(b)[0] if not isinstance(x, STATIC_LEAVES)})
+        if odd:  # e.g. JPEG bytes decoded inside the step (model.gpu_decode): work a replay would not redo
+            raise CaptureError(f"the batch holds {', '.join(odd)}, not tensors: the graph can only take tensors as "
+                               "its inputs, copied into it at each step")
         self.static = [tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, b) for b in micro]
         self.infos = [StaticDraws(device, batch_info(ctx, ctx.state.step, k)) for k in range(len(micro))]
         self.lrs = [torch.tensor(float(g["lr"]), dtype=torch.float32, device=device) for g in opt.param_groups]
