@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"({'reference, micro 64, bf16' if cuda else 'tiny, fp32'}), {args.steps} steps per launch, "
           f"median of {args.repeats} [min, max]\n")
     print("| launch | eager s | compiled s | compilation's price s |\n|---|---:|---:|---:|")
-    for n, label, price in ((1, "first (cold: nothing cached)", cold), (2, "resumed (warm: the run's blob)", warm)):
+    for n, label, price in ((1, "first (cold: nothing cached)", cold), (2, "resumed (warm: the run's packed cache)", warm)):
         e, c = times[f"eager {n}"], times[f"compiled {n}"]
         print(f"| {label} | {statistics.median(e):.1f} | {statistics.median(c):.1f} | "
               f"{statistics.median(price):.1f} [{min(price):.1f}, {max(price):.1f}] |")

@@ -22,8 +22,8 @@ from hpctrain.errors import UserError
 from hpctrain.experiments.base import BatchInfo
 from hpctrain.train import loop
 from hpctrain.train.precision import Precision
-from hpctrain.train.step import (CaptureError, EagerStep, GraphedStep, StaticDraws, StepChoice, choose_step_mode,
-                                 graph_refusal)
+from hpctrain.train.step import (CaptureError, EagerStep, GraphedStep, RecordingInfo, StaticDraws, StepChoice,
+                                 choose_step_mode, graph_refusal)
 
 TINY = ("model.source=fixture", "model.fixture_samples=256", "model.image_size=16", "model.ch=16",
         "model.ch_mult=[1, 2]", "model.num_res_blocks=1", "model.attn_resolutions=[8]", "model.norm_groups=8",
@@ -67,6 +67,8 @@ def test_auto_on_a_gpu_graphs_one_process_and_leaves_multi_gpu_capture_opt_in():
     many = choose_step_mode(_cfg(), _runtime("cuda:0", world=2), BF16)
     assert many.mode == "eager" and "opt-in" in many.reason
     assert choose_step_mode(_cfg("train.step_mode=graphed"), _runtime("cuda:0", world=2), BF16).mode == "graphed"
+    accumulating = choose_step_mode(_cfg(), _runtime("cuda:0"), BF16, accum=2)
+    assert accumulating.mode == "eager" and "accumulation is opt-in" in accumulating.reason
 
 
 @pytest.mark.parametrize("overrides, runtime, precision, words", [
@@ -88,15 +90,24 @@ def test_compile_with_eager_is_a_contradiction_the_config_refuses():
 
 # ---- static draws --------------------------------------------------------------------------------------------
 
-def test_static_draws_are_refilled_with_the_real_positional_draws():
-    meta = torch.device("meta")
-    draws = StaticDraws(meta)
-    noise, t = draws.randn(4, 2, stream=1, device=meta), draws.randint(10, 4, stream=0, device=meta)
-    assert noise.shape == (4, 2) and t.dtype == torch.int64
-    with pytest.raises(CaptureError, match="device='cpu'"):
-        StaticDraws(torch.device("cuda", 0)).randn(4, 2)
+def test_static_draws_are_the_warm_up_steps_draws_made_before_the_capture():
+    recording = RecordingInfo(BatchInfo("train", 3, 8, 16, 0))
+    noise, t = recording.randn(8, 3, stream=1), recording.randint(10, 8, stream=0)
+    assert recording.step == 3  # an eager step may read the info
+    draws = StaticDraws(torch.device("cpu"), recording.draws)
+    buffers = [d[3] for d in draws.draws]  # made here, before any capture (not in the graph's reused memory)
+    assert [b.shape for b in buffers] == [noise.shape, t.shape] and buffers[1].dtype == torch.int64
+    draws.refill(BatchInfo("train", 3, 8, 16, 0))
+    assert torch.equal(draws.randn(8, 3, stream=1, device="cpu"), noise)
+    assert draws.randint(10, 8, stream=0, device="cpu") is buffers[1]
+    draws.refill(BatchInfo("train", 4, 8, 16, 0))  # the next step: new numbers in the same buffers
+    assert draws.randn(8, 3, stream=1, device="cpu") is buffers[0] and not torch.equal(buffers[0], noise)
+    with pytest.raises(CaptureError, match="is not the draw the eager steps made"):
+        draws.randn(8, 3, stream=2, device="cpu")
     with pytest.raises(CaptureError, match="BatchInfo.step read inside the captured step"):
         _ = draws.step
+    with pytest.raises(CaptureError, match="device='cpu'"):
+        StaticDraws(torch.device("cuda", 0), recording.draws)
 
 
 # ---- the graphed step against the eager one, on the CPU --------------------------------------------------------
@@ -244,15 +255,6 @@ def test_a_step_that_cannot_be_captured_falls_back_under_auto_and_fails_when_ask
     with pytest.raises(UserError, match="train.step_mode=graphed: BatchInfo.step read"):
         _train(strict, 2)
     assert not hasattr(strict.optimizer, "found_inf") and isinstance(strict.optimizer.param_groups[0]["lr"], float)
-
-
-def test_batch_info_is_what_the_graph_refills_from():
-    info = BatchInfo("train", 3, 8, 16, 0)
-    draws = StaticDraws(torch.device("cpu"))
-    buffer = draws.randn(8, 3, stream=1, device="cpu")
-    draws.refill(info)
-    assert draws.randn(8, 3, stream=1, device="cpu") is buffer  # the body run again gets the same buffer
-    assert torch.equal(draws.draws[0][3], info.randn(8, 3, stream=1))
 
 
 def test_a_batch_that_is_not_tensors_is_not_captured(tmp_path, monkeypatch):

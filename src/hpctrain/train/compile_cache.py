@@ -58,6 +58,19 @@ def _cpu_model() -> str:
     return platform.machine()
 
 
+def user_cache_dir() -> bool:
+    """Whether TORCHINDUCTOR_CACHE_DIR is the user's: Inductor writes its default into the environment itself the
+    first time it asks (torch 2.11 to 2.14), so a value equal to that default is not a choice of the user's."""
+    value = os.environ.get(ENV)
+    if not value:
+        return False
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # a torch without it: whatever is set is taken as chosen
+        return True
+    return os.path.abspath(value) != os.path.abspath(default_cache_dir())
+
+
 def local_folder(key: str, local_rank: int) -> Path:
     """This rank's own cache folder on this node (one per rank: unpacking into a folder another rank reads from
     would hand it half-written files)."""
@@ -74,7 +87,7 @@ class CompileCache:
         self.is_main = is_main
         self.local = local_folder(key, local_rank)
         self.saved_size = -1
-        self.managed = ENV not in os.environ
+        self.managed = not user_cache_dir()
         """False when the user set TORCHINDUCTOR_CACHE_DIR: theirs is used as it is, and nothing is packed."""
 
     def load(self) -> bool:

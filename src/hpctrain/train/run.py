@@ -84,7 +84,6 @@ def build_context(
         val_loader = build_loader(data.val, val_sampler, cfg.data, runtime, collate_fn=data.collate_fn)
     precision = resolve_precision(cfg.train.precision, runtime.device)
     check_strategy(cfg, runtime, precision)
-    step_choice = choose_step_mode(cfg, runtime, precision, experiment.graphable)
     model = place_model(model, cfg, runtime)
     # The EMA copy is made before wrapping: FSDP2 modules refuse deepcopy, and under fsdp the copy is sharded
     # like the model (each rank averages its own shards).
@@ -95,6 +94,7 @@ def build_context(
     optimizer = build_optimizer(raw, cfg.optim, fused=runtime.device.type == "cuda", groups=experiment.param_groups(raw),
                                 zero=cfg.dist.strategy == "zero1" and runtime.distributed)
     total_steps = cfg.train.max_steps or cfg.train.epochs * sampler.steps_per_epoch
+    step_choice = choose_step_mode(cfg, runtime, precision, experiment.graphable, plan.grad_accum)
     if runtime.is_main and write_run_dir:
         prepare_run_dir(run_dir)
     barrier(runtime)

@@ -78,10 +78,13 @@ def graph_refusal(cfg: RunConfig, runtime: Runtime, precision: Precision, grapha
     return None
 
 
-def choose_step_mode(cfg: RunConfig, runtime: Runtime, precision: Precision, graphable: bool = True) -> StepChoice:
+def choose_step_mode(cfg: RunConfig, runtime: Runtime, precision: Precision, graphable: bool = True,
+                     accum: int = 1) -> StepChoice:
     """train.step_mode resolved on this rank's device. auto: graphed on CUDA where the run allows it, in one process
-    (multi-process capture under DDP follows torch's recipe but has not been run on several GPUs yet, so it is opt-in);
-    else compiled when train.compile=true, else eager. graphed where it cannot run: an error that says why."""
+    without gradient accumulation; else compiled when train.compile=true, else eager. Capture under DDP over several
+    GPUs follows torch's recipe and capture with accumulation was fixed after its first GPU run, but neither has
+    passed its GPU test yet: opt-in (train.step_mode=graphed) until they have. graphed where it cannot run: an error
+    that says why."""
     requested = cfg.train.step_mode
     refusal = graph_refusal(cfg, runtime, precision, graphable)
     if requested == "graphed":
@@ -90,10 +93,11 @@ def choose_step_mode(cfg: RunConfig, runtime: Runtime, precision: Precision, gra
                             "use train.step_mode=auto (graphed where it can run, eager elsewhere) or eager.")
         return StepChoice("graphed", "asked for (train.step_mode=graphed)")
     if requested == "auto":
-        if refusal is None and not runtime.distributed:
+        if refusal is None and not runtime.distributed and accum == 1:
             return StepChoice("graphed", "auto: one process on CUDA")
         if refusal is None:
-            refusal = "capture under DDP over several GPUs is opt-in (train.step_mode=graphed)"
+            refusal = ("capture under DDP over several GPUs is opt-in (train.step_mode=graphed)" if runtime.distributed
+                       else "capture with gradient accumulation is opt-in (train.step_mode=graphed)")
         other = "compiled" if cfg.train.compile else "eager"
         return StepChoice(other, f"auto: not graphed, {refusal}")
     return StepChoice(requested, f"asked for (train.step_mode={requested})")
@@ -107,6 +111,8 @@ class EagerStep:
     mode = "eager"
 
     def __init__(self, cache: bool = True) -> None:
+        self.recording: list[RecordingInfo] | None = None
+        """When a list: this step's BatchInfo of each micro-batch, noting its draws (a graphed step's warm-up)."""
         self.cache = cache
         """Autocast's weight-cast cache; off in a graphed step's eager steps, as in its capture (a compiled model
         would otherwise see another autocast state there, and recompile during the capture)."""
@@ -114,16 +120,21 @@ class EagerStep:
     def __call__(self, ctx, batches: Iterator, window) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One optimizer step over grad_accum micro-batches; returns this rank's mean loss (on device, no sync)."""
         accum, step = ctx.plan.grad_accum, ctx.state.step
+        if self.recording is not None:
+            self.recording[:] = [RecordingInfo(batch_info(ctx, step, micro)) for micro in range(accum)]
         if accum == 1:
             # The usual case, without an accumulator tensor and its two ops per step: (0 + x) / 1 is x, bit for bit.
-            loss = micro_step(ctx, fetch(ctx, batches, window), step, 0, cache=self.cache)
+            loss = micro_step(ctx, fetch(ctx, batches, window), step, 0, self._info(0), self.cache)
         else:
             loss_sum = torch.zeros((), device=ctx.runtime.device)
             for micro in range(accum):
-                loss_sum += micro_step(ctx, fetch(ctx, batches, window), step, micro, cache=self.cache)
+                loss_sum += micro_step(ctx, fetch(ctx, batches, window), step, micro, self._info(micro), self.cache)
             loss = loss_sum / accum
         ctx.fault.heartbeat.mark("optimizer")
         return loss, apply_gradients(ctx)
+
+    def _info(self, micro: int) -> RecordingInfo | None:
+        return None if self.recording is None else self.recording[micro]
 
 
 def fetch(ctx, batches: Iterator, window) -> Any:
@@ -189,45 +200,72 @@ def apply_gradients(ctx) -> torch.Tensor | None:
 
 # ---- graphed -------------------------------------------------------------------------------------------------
 
-class StaticDraws:
-    """Stands in for BatchInfo inside the captured step: each draw returns a static device buffer, which
-    :meth:`refill` fills before every replay with the same draw of that step's real BatchInfo."""
+class RecordingInfo:
+    """A BatchInfo that notes each draw the experiment makes (kind, arguments, shape, dtype): a graphed step's
+    eager warm-up runs with it, so that the graph's draw buffers can be made before the capture."""
 
-    def __init__(self, device: torch.device, prime: BatchInfo | None = None) -> None:
+    def __init__(self, info: BatchInfo) -> None:
+        self.info = info
+        self.draws: list[tuple[str, tuple, dict, torch.Size, torch.dtype]] = []
+
+    def _draw(self, name: str, args: tuple, stream: int, device: Any) -> torch.Tensor:
+        kwargs = {"stream": stream, "device": torch.device(device)}
+        out = getattr(self.info, name)(*args, **kwargs)
+        self.draws.append((name, args, kwargs, out.shape, out.dtype))
+        return out
+
+    def randn(self, n: int, *shape: int, stream: int = 0, device: Any = "cpu") -> torch.Tensor:
+        return self._draw("randn", (n, *shape), stream, device)
+
+    def rand(self, n: int, *shape: int, stream: int = 0, device: Any = "cpu") -> torch.Tensor:
+        return self._draw("rand", (n, *shape), stream, device)
+
+    def randint(self, high: int, n: int, stream: int = 0, device: Any = "cpu") -> torch.Tensor:
+        return self._draw("randint", (high, n), stream, device)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.info, name)
+
+
+class StaticDraws:
+    """Stands in for BatchInfo inside the captured step: the draws the eager warm-up recorded, each in a static
+    device buffer that :meth:`refill` fills before every replay with the same draw of that step's real BatchInfo.
+
+    The buffers are made before the capture, not during it: memory allocated during a capture may be memory an
+    earlier part of the same graph used and freed (the graph's pool reuses it), which a replay would overwrite
+    after the refill wrote it (with gradient accumulation the second micro-batch's timesteps were the first
+    micro-batch's activations: measured, an index out of bounds on the first replay)."""
+
+    def __init__(self, device: torch.device, planned: list[tuple[str, tuple, dict, torch.Size, torch.dtype]]) -> None:
         self.device = device
-        self.prime = prime
-        """The capture step's own BatchInfo: where the body runs for real while recording (not under a CUDA capture,
-        i.e. the CPU stand-in of the tests), a new buffer holds that step's draw rather than garbage."""
         """The run's device: a draw elsewhere (on the host) cannot be part of its graph."""
-        self.draws: list[tuple[str, tuple, dict, torch.Tensor]] = []
+        for name, _, kwargs, _, _ in planned:
+            if kwargs["device"].type != device.type:
+                raise CaptureError(f"BatchInfo.{name}(..., device='{kwargs['device']}') in a step captured on "
+                                   f"{device}: a tensor on another device cannot be part of its graph; draw with "
+                                   "device=<the batch's device>")
+        self.draws = [(name, args, kwargs, torch.empty(shape, dtype=dtype, device=kwargs["device"]))
+                      for name, args, kwargs, shape, dtype in planned]
         self.cursor = 0
         """Draws handed out since the last refill: a body run again in Python (the CPU stand-in for a graph in the
         tests) gets the same buffers in the same order."""
 
-    def _record(self, name: str, args: tuple, device: Any, stream: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-        if self.cursor < len(self.draws):
-            self.cursor += 1
-            return self.draws[self.cursor - 1][3]
+    def _take(self, name: str, args: tuple, stream: int, device: Any) -> torch.Tensor:
+        call = (name, args, {"stream": stream, "device": torch.device(device)})
+        if self.cursor >= len(self.draws) or self.draws[self.cursor][:3] != call:
+            raise CaptureError(f"BatchInfo.{name}{args} (stream {stream}) in the captured step is not the draw the "
+                               "eager steps made there: the step's draws must be the same at every step")
         self.cursor += 1
-        device = torch.device(device)
-        if device.type != self.device.type:
-            raise CaptureError(f"BatchInfo.{name}(..., device='{device}') inside the step captured on {self.device}: "
-                               "a tensor on another device cannot be part of its graph; draw with device=<the batch's "
-                               "device>")
-        buffer = torch.empty(shape, dtype=dtype, device=device)
-        if self.prime is not None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            buffer.copy_(getattr(self.prime, name)(*args, stream=stream, device=device))
-        self.draws.append((name, args, {"stream": stream, "device": device}, buffer))
-        return buffer
+        return self.draws[self.cursor - 1][3]
 
     def randn(self, n: int, *shape: int, stream: int = 0, device: Any = "cpu") -> torch.Tensor:
-        return self._record("randn", (n, *shape), device, stream, (n, *shape), torch.float32)
+        return self._take("randn", (n, *shape), stream, device)
 
     def rand(self, n: int, *shape: int, stream: int = 0, device: Any = "cpu") -> torch.Tensor:
-        return self._record("rand", (n, *shape), device, stream, (n, *shape), torch.float32)
+        return self._take("rand", (n, *shape), stream, device)
 
     def randint(self, high: int, n: int, stream: int = 0, device: Any = "cpu") -> torch.Tensor:
-        return self._record("randint", (high, n), device, stream, (n,), torch.int64)
+        return self._take("randint", (high, n), stream, device)
 
     def __getattr__(self, name: str) -> Any:
         # step, start, total, seed, split: a value read during capture would be frozen into every replay.
@@ -296,11 +334,12 @@ class GraphedStep:
     mode = "graphed"
 
     def __init__(self, warmup: int = WARMUP_STEPS, graph_class: type = CudaGraph, fallback: bool = False) -> None:
-        self.warmup_left = warmup
+        self.warmup_left = max(1, warmup)  # at least one eager step: it notes the draws the capture needs
         self.graph_class = graph_class
         self.fallback = fallback
         """train.step_mode=auto: a step that cannot be captured runs eagerly (with a warning) instead of failing."""
         self.eager = EagerStep(cache=False)
+        self.eager.recording = []  # the warm-up notes the draws, for the capture's buffers
         self.graph: Any = None
         self.failed = ""
         self.pending: collections.deque = collections.deque()
@@ -343,6 +382,7 @@ class GraphedStep:
             raise UserError(f"train.step_mode=graphed: {why}",
                             "use train.step_mode=eager (or auto, which falls back to eager with a warning).")
         self.failed, self.graph = why, None
+        self.eager.recording = None
         if ctx.runtime.is_main:
             log.warning("train.step_mode=auto: the step cannot be captured, running eagerly: %s", why)
 
@@ -353,7 +393,11 @@ class GraphedStep:
             raise CaptureError(f"the batch holds {', '.join(odd)}, not tensors: the graph can only take tensors as "
                                "its inputs, copied into it at each step")
         self.static = [tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, b) for b in micro]
-        self.infos = [StaticDraws(device, batch_info(ctx, ctx.state.step, k)) for k in range(len(micro))]
+        if len(self.eager.recording) != len(micro):
+            raise CaptureError("no eager step ran before the capture (train.step_mode=graphed needs its warm-up)")
+        self.infos = [StaticDraws(device, r.draws) for r in self.eager.recording]
+        for k, draws in enumerate(self.infos):  # the capture step's own draws: a stand-in graph runs the body
+            draws.refill(batch_info(ctx, ctx.state.step, k))
         self.lrs = [torch.tensor(float(g["lr"]), dtype=torch.float32, device=device) for g in opt.param_groups]
         fused = all(g.get("fused") for g in opt.param_groups)
         self.found_inf = torch.zeros((), dtype=torch.float32, device=device) if fused else None
@@ -366,6 +410,7 @@ class GraphedStep:
         graph = self.graph_class()
         graph.capture(lambda: self._captured(ctx))
         self.graph = graph
+        self.eager.recording = None  # eager steps from here on (another batch shape) have nothing to note
         if ctx.runtime.is_main:
             log.info("step captured as a CUDA graph at step %d (%d micro-batch(es), %d draw(s)); replayed from here",
                      ctx.state.step, len(micro), sum(len(i.draws) for i in self.infos))
