@@ -5,8 +5,8 @@ compile cache (hpctrain.train.compile_cache) against the first launch's cold com
 
 Each repeat runs four launches of `hpctrain train ddpm_cifar10` (source=fixture; the tiny U-Net on the CPU, the
 reference U-Net at micro batch 64 on CUDA), each in a fresh process with a fresh, empty TMPDIR (the node-local
-compile caches start empty, as on another node): a run of 2 x --steps steps stopped after --steps (train.stop_at_step, with a
-checkpoint), then resumed to its end, each launch validating at its end (so each compiles the validation's shapes
+compile caches start empty, as on another node): a run of 2 x --steps steps stopped after --steps
+(train.stop_at_step, with a checkpoint), then resumed to its end, each launch validating at its end (so each compiles the validation's shapes
 too); once with train.step_mode=eager and once with train.step_mode=compiled. The
 compilation's price in a launch is its wall time minus the eager launch's at the same position: cold (the first
 launch: nothing cached) and warm (the resumed launch: the run dir's compile-cache blob, written at the first
@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"({'reference, micro 64, bf16' if cuda else 'tiny, fp32'}), {args.steps} steps per launch, "
           f"median of {args.repeats} [min, max]\n")
     print("| launch | eager s | compiled s | compilation's price s |\n|---|---:|---:|---:|")
-    for n, label, price in ((1, "first (cold: nothing cached)", cold), (2, "resumed (warm: the run's packed cache)", warm)):
+    labels = ((1, "first (cold: nothing cached)", cold), (2, "resumed (warm: the run's packed cache)", warm))
+    for n, label, price in labels:
         e, c = times[f"eager {n}"], times[f"compiled {n}"]
         print(f"| {label} | {statistics.median(e):.1f} | {statistics.median(c):.1f} | "
               f"{statistics.median(price):.1f} [{min(price):.1f}, {max(price):.1f}] |")

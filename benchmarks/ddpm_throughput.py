@@ -19,8 +19,8 @@ the same technique:
             and the EMA, with a tensor weight, inside).
   hpctrain  hpctrain's own loop (hpctrain.train.loop.train) on hpctrain's context for ddpm_cifar10 with
             model.source=fixture, data.on_device=true, train.precision=bf16, train.channels_last=true,
-            train.step_mode per mode (graphed-compiled: graphed with train.compile=true): its heartbeat, stop vote, BatchInfo draws, loss window, scheduler,
-            clipping and EMA included. No validation, outputs, logging or checkpoints within the timed steps
+            train.step_mode per mode (graphed-compiled: graphed with train.compile=true): its heartbeat, stop
+            vote, BatchInfo draws, loss window, scheduler, clipping and EMA included. No validation, outputs, logging or checkpoints within the timed steps
             (eval.every_steps and log.every_steps huge, outputs off; the checkpoint a launch saves when it ends
             is replaced by a no-op). Each timed window is one call of the loop (train.stop_at_step moved on),
             so it also pays the loop's start (the epoch order and flip uniforms drawn again).

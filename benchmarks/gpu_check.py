@@ -388,7 +388,8 @@ def _tests_parallel(ctx: Context) -> list[str]:
     return [ctx.python, "benchmarks/pytest_parallel.py", "--junit-prefix", str(ctx.out / "tests-gpu"), "--",
             "tests/gpu", "-k", "compiled_digits", ":::", "tests/gpu", "-k", "faceseg_from_shards", ":::",
             "tests/gpu/test_step_graphed.py", ":::",
-            "tests/gpu", "--ignore=tests/gpu/test_step_graphed.py", "-k", "not compiled_digits and not faceseg_from_shards"]
+            "tests/gpu", "--ignore=tests/gpu/test_step_graphed.py",
+            "-k", "not compiled_digits and not faceseg_from_shards"]
 
 
 def _faces_dir(ctx: Context) -> str:

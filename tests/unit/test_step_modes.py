@@ -223,7 +223,8 @@ def test_a_non_finite_gradient_skips_the_update_and_the_ema(pair, monkeypatch):
     before, steps = _weights(graphed), [s["step"].clone() for s in graphed.optimizer.state.values()]
     randn = BatchInfo.randn
     # The noise of step 3 is NaN (refilled into the graph's static buffer like any draw): so are its loss and gradient.
-    monkeypatch.setattr(BatchInfo, "randn", lambda self, *a, **k: randn(self, *a, **k) * (math.nan if self.step == 3 else 1))
+    monkeypatch.setattr(BatchInfo, "randn",
+                        lambda self, *a, **k: randn(self, *a, **k) * (math.nan if self.step == 3 else 1))
     losses, norms = _train(graphed, 1)
     assert math.isnan(losses[0]) and math.isnan(norms[0])
     for a, b in zip(_weights(graphed), before):
