@@ -48,6 +48,8 @@ def test_packed_on_one_node_and_unpacked_on_another(tmp_path, node, caplog):
     first = cc.CompileCache(run, CPU, is_main=True, local_rank=0)
     assert first.load() is False and os.environ[cc.ENV] == str(first.local)  # nothing yet: compile, into our folder
     _fill(first.local, {"fxgraph/ab/entry": b"graph", "triton/0/kernel.cubin": b"k" * 100, "x.lock": b""})
+    # local rank 3 on the same node: its own folder (Inductor's entries name the device index), packed by rank 0 too
+    _fill(first.node / "rank3", {"fxgraph/cd/entry": b"graph on cuda:3"})
     first.save()
     assert first.path.is_file() and first.path.parent == run / "compile-cache"
     stamp = first.path.stat().st_mtime_ns
@@ -57,8 +59,13 @@ def test_packed_on_one_node_and_unpacked_on_another(tmp_path, node, caplog):
     second = cc.CompileCache(run, CPU, is_main=False, local_rank=3)
     assert second.local != first.local and second.local.name == "rank3"
     assert second.load() is True and os.environ[cc.ENV] == str(second.local)
-    assert (second.local / "fxgraph/ab/entry").read_bytes() == b"graph"
-    assert (second.local / "triton/0/kernel.cubin").stat().st_size == 100 and not (second.local / "x.lock").exists()
+    assert (second.local / "fxgraph/cd/entry").read_bytes() == b"graph on cuda:3"  # its own part only
+    assert not (second.node / "rank0").exists()
+    third = cc.CompileCache(run, CPU, is_main=False, local_rank=0)
+    assert third.load() is True and (third.local / "fxgraph/ab/entry").read_bytes() == b"graph"
+    assert (third.local / "triton/0/kernel.cubin").stat().st_size == 100 and not (third.local / "x.lock").exists()
+    other_run = cc.CompileCache(tmp_path / "another-run", CPU, is_main=False, local_rank=0)
+    assert other_run.local != third.local  # two runs (jobs) on one node never share a folder
     second.save()  # not rank 0: never writes
     assert first.path.stat().st_mtime_ns == stamp
 

@@ -79,6 +79,9 @@ def validate(cfg: RunConfig) -> None:
     _require(not bad, "alert.events", f"unknown event(s) {bad}; choose from {sorted(ALERT_EVENTS)}")
     _require(cfg.alert.timeout_s > 0, "alert.timeout_s", "must be positive")
     _require(cfg.dist.bucket_cap_mb > 0, "dist.bucket_cap_mb", "must be positive")
+    _require(not (cfg.train.step_mode == "graphed" and cfg.train.precision == "fp16"), "train.step_mode",
+             "'graphed' does not take train.precision=fp16: GradScaler updates its loss scale on the host between "
+             "steps", "use train.precision=bf16 (GPUs from Ampere on), or train.step_mode=auto or eager with fp16.")
     _require(not (cfg.train.compile and cfg.train.step_mode == "eager"), "train.step_mode",
              "'eager' contradicts train.compile=true (which compiles the model)",
              "drop one: train.step_mode=compiled alone compiles, train.step_mode=eager alone does not.")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -121,14 +122,23 @@ def use_sync_batchnorm(model: nn.Module, mode: str, runtime: Runtime) -> bool:
 
 
 def _ddp(model: nn.Module, cfg: RunConfig, runtime: Runtime) -> DDP:
-    ddp = DDP(
-        model,
-        device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
-        bucket_cap_mb=cfg.dist.bucket_cap_mb,
-        find_unused_parameters=cfg.dist.find_unused_parameters,
-        # Gradients are written straight into the buckets: one copy less per step.
-        gradient_as_bucket_view=True,
-    )
+    cuda = runtime.device.type == "cuda"
+    # A step captured as a CUDA graph (train.step_mode=graphed) needs DDP built on a side stream (torch's notes on
+    # whole-network capture): its reducer's gradient hooks keep the stream current at construction.
+    side = torch.cuda.Stream(runtime.device) if cuda and cfg.train.step_mode == "graphed" else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(runtime.device))
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        ddp = DDP(
+            model,
+            device_ids=[runtime.device.index] if cuda else None,
+            bucket_cap_mb=cfg.dist.bucket_cap_mb,
+            find_unused_parameters=cfg.dist.find_unused_parameters,
+            # Gradients are written straight into the buckets: one copy less per step.
+            gradient_as_bucket_view=True,
+        )
+    if side is not None:
+        torch.cuda.current_stream(runtime.device).wait_stream(side)
     if cfg.dist.grad_compression != "none":
         hook = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}
         ddp.register_comm_hook(None, hook[cfg.dist.grad_compression])  # state None: the default process group

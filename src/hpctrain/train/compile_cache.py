@@ -3,8 +3,10 @@
 Inductor keeps what it compiled (FX graphs, AOTAutograd graphs, Triton kernels, the CPU's shared objects) in
 TORCHINDUCTOR_CACHE_DIR, by default a node-local temporary folder: a requeued job that lands on another node
 compiles again (80 s for the DDPM U-Net on an H100). hpctrain points that folder at a node-local one of its own per
-rank, and rank 0 packs it into one file beside the checkpoints after each checkpoint (only when it has grown), which
-every rank unpacks before its first compiled step. One file, not thousands: what a shared file system wants.
+run and local rank, and rank 0 packs its node's folders (every local rank's: Inductor's entries are keyed by the
+device index) into one file beside the checkpoints after each checkpoint (only when they have grown); every rank
+unpacks its local rank's part before its first compiled step. One file, not thousands: what a shared file system
+wants.
 
 Why not torch's mega-cache (torch.compiler.save_cache_artifacts): measured here (DDPM U-Net, CPU, torch 2.14), a
 process that loaded it still spent 52 s of a 92 s cold compile, rebuilding the shared objects it does not hold; with
@@ -15,7 +17,7 @@ traces again in a new process, and a graphed step is captured again (seconds).
 
 from __future__ import annotations
 
-import io
+import hashlib
 import logging
 import os
 import re
@@ -25,7 +27,6 @@ from pathlib import Path
 
 import torch
 
-from hpctrain.atomic import atomic_write_bytes
 
 log = logging.getLogger("hpctrain")
 
@@ -60,9 +61,9 @@ def _cpu_model() -> str:
 
 def user_cache_dir() -> bool:
     """Whether TORCHINDUCTOR_CACHE_DIR is the user's: Inductor writes its default into the environment itself the
-    first time it asks (torch 2.11 to 2.14), so a value equal to that default is not a choice of the user's."""
+    first time it asks (torch 2.11 to 2.14), and hpctrain its own folder, so neither is a choice of the user's."""
     value = os.environ.get(ENV)
-    if not value:
+    if not value or Path(value).resolve().is_relative_to(_root().resolve()):  # empty, or hpctrain's own
         return False
     try:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
@@ -71,10 +72,14 @@ def user_cache_dir() -> bool:
     return os.path.abspath(value) != os.path.abspath(default_cache_dir())
 
 
-def local_folder(key: str, local_rank: int) -> Path:
-    """This rank's own cache folder on this node (one per rank: unpacking into a folder another rank reads from
-    would hand it half-written files)."""
-    return Path(tempfile.gettempdir()) / f"hpctrain-inductor-{os.getuid()}" / key / f"rank{local_rank}"
+def node_folder(key: str, run_dir: Path) -> Path:
+    """This run's cache folders on this node (one per run: two jobs of one user on a node do not share them)."""
+    run = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
+    return _root() / key / run
+
+
+def _root() -> Path:
+    return Path(tempfile.gettempdir()) / f"hpctrain-inductor-{os.getuid()}"
 
 
 class CompileCache:
@@ -85,7 +90,11 @@ class CompileCache:
         self.folder = Path(run_dir) / FOLDER
         self.path = self.folder / f"{key}.tar"
         self.is_main = is_main
-        self.local = local_folder(key, local_rank)
+        self.node = node_folder(key, run_dir)
+        self.part = f"rank{local_rank}"
+        self.local = self.node / self.part
+        """This rank's own folder (one per local rank: unpacking into a folder another rank reads from would hand
+        it half-written files)."""
         self.saved_size = -1
         self.managed = not user_cache_dir()
         """False when the user set TORCHINDUCTOR_CACHE_DIR: theirs is used as it is, and nothing is packed."""
@@ -108,33 +117,50 @@ class CompileCache:
             return False
         try:
             with tarfile.open(self.path) as tar:
-                tar.extractall(self.local, filter="data")
-        except (OSError, tarfile.TarError) as e:  # damaged or unreadable: compile instead of failing the run
+                mine = [m for m in tar.getmembers() if m.name.startswith(self.part + "/")]
+                _extract(tar, mine, self.node)
+        except (OSError, tarfile.TarError, ValueError) as e:  # damaged or unreadable: compile instead of failing
             if self.is_main:
                 log.warning("compile cache %s could not be unpacked (%s); compiling afresh", self.path, e)
             return False
-        self.saved_size = _size(self.local)
+        self.saved_size = _size(self.node)
         if self.is_main:
             log.info("compile cache: unpacked %s (%.1f MB) into %s", self.path, self.path.stat().st_size / 1e6,
                      self.local)
         return True
 
     def save(self) -> None:
-        """Rank 0: pack this rank's folder into the run's file, when it grew since the last time."""
-        if not (self.is_main and self.managed and self.local.is_dir()):
+        """Rank 0: pack its node's folders (every local rank's) into the run's file, when they grew since the last
+        time. Streamed to a temporary file beside it and renamed: a reader sees the old file or the new one."""
+        if not (self.is_main and self.managed and self.node.is_dir()):
             return
-        size = _size(self.local)
+        size = _size(self.node)
         if size <= self.saved_size:
             return
-        buffer = io.BytesIO()
-        with tarfile.open(fileobj=buffer, mode="w") as tar:
-            for path in sorted(self.local.rglob("*")):
-                if path.is_file() and not path.name.endswith(".lock"):
-                    tar.add(path, arcname=str(path.relative_to(self.local)))
         self.folder.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(self.path, buffer.getvalue())
+        tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
+        try:
+            with tarfile.open(tmp, mode="w") as tar:
+                for path in sorted(self.node.rglob("*")):
+                    if path.is_file() and not path.name.endswith(".lock"):
+                        tar.add(path, arcname=str(path.relative_to(self.node)))
+            os.replace(tmp, self.path)
+        finally:
+            tmp.unlink(missing_ok=True)
         self.saved_size = size
-        log.info("compile cache: packed %s (%.1f MB)", self.path, len(buffer.getvalue()) / 1e6)
+        log.info("compile cache: packed %s (%.1f MB)", self.path, self.path.stat().st_size / 1e6)
+
+
+def _extract(tar: tarfile.TarFile, members: list[tarfile.TarInfo], into: Path) -> None:
+    """Regular files only, inside ``into``: tarfile's "data" filter where this Python has it (3.11.4+, 3.10.12+),
+    the same rules checked by hand where it does not."""
+    for m in members:
+        if not m.isfile() or m.name.startswith("/") or ".." in Path(m.name).parts:
+            raise ValueError(f"unexpected member {m.name!r}")
+    if hasattr(tarfile, "data_filter"):
+        tar.extractall(into, members=members, filter="data")
+    else:  # pragma: no cover - older patch releases
+        tar.extractall(into, members=members)
 
 
 def _size(folder: Path) -> int:

@@ -43,7 +43,7 @@ from hpctrain.train.ema import build_ema
 from hpctrain.train.evaluate import evaluate
 from hpctrain.train.optim import build_optimizer, build_scheduler
 from hpctrain.train.compile_cache import CompileCache
-from hpctrain.train.step import build_step, choose_step_mode
+from hpctrain.train.step import build_step, choose_step_mode, release_step
 from hpctrain.train.precision import resolve_precision
 from hpctrain.train.rng import restore_rng, seed_everything, seed_rank_streams
 from hpctrain.train.rundir import prepare_run_dir, set_aside_records, write_config
@@ -258,6 +258,7 @@ def run_training(cfg: RunConfig, runtime: Runtime, experiment: Experiment, confi
         raise
     finally:
         ctx.metrics.close()
+        release_step(ctx)
     if result.stop_signal:
         watchdog.stop("stopped")
         # torchrun SIGTERMs the other workers as soon as one exits; a rank still finishing its exit must not

@@ -58,6 +58,8 @@ class StepChoice:
     """eager, compiled or graphed: what runs."""
     reason: str
     """Why, for the start-up line (train.step_mode=auto says what it picked and why)."""
+    fallback: bool = False
+    """graphed chosen by auto: a step that cannot be captured (said by hpctrain's own checks) runs eagerly."""
 
 
 def graph_refusal(cfg: RunConfig, runtime: Runtime, precision: Precision, graphable: bool = True) -> str | None:
@@ -71,6 +73,11 @@ def graph_refusal(cfg: RunConfig, runtime: Runtime, precision: Precision, grapha
         return f"dist.strategy={cfg.dist.strategy} over {runtime.world_size} processes is not captured yet (ddp is)"
     if runtime.distributed and runtime.backend != "nccl":
         return f"the {runtime.backend} backend's collectives cannot be captured (NCCL's can)"
+    if runtime.distributed and cfg.data.on_error == "skip":
+        return ("data.on_error=skip can shorten one rank's batch, which would then step eagerly while the others "
+                "replay their captured all-reduces")
+    if runtime.distributed and cfg.dist.find_unused_parameters:
+        return "dist.find_unused_parameters searches the graph on the host after every backward"
     if cfg.optim.name not in ("adamw", "sgd"):
         return f"optim.name={cfg.optim.name} has no fused implementation to capture"
     if not graphable:
@@ -94,7 +101,7 @@ def choose_step_mode(cfg: RunConfig, runtime: Runtime, precision: Precision, gra
         return StepChoice("graphed", "asked for (train.step_mode=graphed)")
     if requested == "auto":
         if refusal is None and not runtime.distributed and accum == 1:
-            return StepChoice("graphed", "auto: one process on CUDA")
+            return StepChoice("graphed", "auto: one process on CUDA", fallback=True)
         if refusal is None:
             refusal = ("capture under DDP over several GPUs is opt-in (train.step_mode=graphed)" if runtime.distributed
                        else "capture with gradient accumulation is opt-in (train.step_mode=graphed)")
@@ -294,6 +301,7 @@ class CudaGraph:
 
     def capture(self, body: Callable[[], None]) -> None:
         failure: list[BaseException] = []
+        stream = torch.cuda.current_stream()  # torch leaves its capture stream current when the capture's end fails
         try:
             # thread_local: the checkpoint writer and the heartbeat threads may use CUDA while this thread captures.
             with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
@@ -302,6 +310,7 @@ class CudaGraph:
                 except BaseException as e:  # noqa: BLE001 - ended below, after the capture is closed
                     failure.append(e)
         except RuntimeError:
+            torch.cuda.set_stream(stream)
             if not failure:
                 raise
         if failure:  # the body's own error says what to change; the capture's end would only say it was invalidated
@@ -313,9 +322,10 @@ class CudaGraph:
 
     @staticmethod
     @contextlib.contextmanager
-    def side_stream():
-        """Eager warm-up steps run on a side stream, as torch's notes on whole-network capture require."""
-        stream = torch.cuda.Stream()
+    def side_stream(owner: Any):
+        """Eager warm-up steps run on a side stream, as torch's notes on whole-network capture require: one per
+        owner (a new stream per step would cache each step's activations apart, and a cuBLAS workspace each)."""
+        stream = owner.__dict__.setdefault("_side_stream", torch.cuda.Stream())
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             yield
@@ -350,7 +360,7 @@ class GraphedStep:
             return self.eager(ctx, batches, window)
         if self.graph is None and self.warmup_left > 0:
             self.warmup_left -= 1
-            with self.graph_class.side_stream():
+            with self.graph_class.side_stream(self):
                 return self.eager(ctx, batches, window)
         step = ctx.state.step
         micro = [fetch(ctx, batches, window) for _ in range(ctx.plan.grad_accum)]
@@ -359,6 +369,9 @@ class GraphedStep:
             if self.failed:
                 return self._eager_with(ctx, micro, step)
         if not self._fits(micro):
+            if ctx.runtime.distributed:  # the other ranks replay captured all-reduces this rank would not join
+                raise UserError(f"train.step_mode=graphed: step {step} has a batch of another shape than the captured "
+                                f"one on rank {ctx.runtime.rank}", "set train.step_mode=eager for this data.")
             return self._eager_with(ctx, micro, step)
         ctx.fault.heartbeat.mark("forward")
         self._load(ctx, micro, step)
@@ -371,10 +384,17 @@ class GraphedStep:
     def _capture_or_fall_back(self, ctx, micro: list) -> None:
         try:
             self._capture(ctx, micro)
-        except CaptureError as e:
+        except CaptureError as e:  # found by hpctrain before the capture broke: the process is sound, go on eagerly
             self._give_up(ctx, str(e))
-        except RuntimeError as e:  # torch's own refusals: a host sync, a CPU op, an unregistered generator
-            self._give_up(ctx, f"capture failed: {e}")
+        except RuntimeError as e:
+            # torch's own refusal (a host synchronisation, a CPU op, an unregistered generator) invalidates the
+            # capture, and torch leaves its allocator and generators in states it does not promise to recover from:
+            # stop with the reason rather than go on in this process, also under auto.
+            self._restore_optimizer(ctx.optimizer)
+            raise UserError(f"train.step_mode={'auto' if self.fallback else 'graphed'}: the training step could not "
+                            f"be captured as a CUDA graph: {e}",
+                            "set train.step_mode=eager (or compiled) for this experiment, or make its train_loss "
+                            "free of host synchronisation (.item(), data-dependent shapes) and CPU tensors.") from e
 
     def _give_up(self, ctx, why: str) -> None:
         self._restore_optimizer(ctx.optimizer)
@@ -510,6 +530,20 @@ class GraphedStep:
         return loss, apply_gradients(ctx)
 
 
+def release_step(ctx) -> None:
+    """Drop a captured graph before the process group goes: NCCL's communicator destroy waits for every graph that
+    captured its collectives (pytorch#115388)."""
+    stepper = getattr(ctx, "stepper", None)
+    if getattr(stepper, "graph", None) is not None:
+        if ctx.runtime.device.type == "cuda":
+            torch.cuda.synchronize(ctx.runtime.device)
+        stepper.graph = None
+        ctx.stepper = EagerStep()
+        import gc
+
+        gc.collect()
+
+
 @torch.no_grad()
 def ema_update(ema, model: torch.nn.Module, weight: torch.Tensor) -> None:
     """EMA.update_parameters' lerp with the weight (1 - decay) in a device tensor, so a captured update reads it
@@ -533,5 +567,5 @@ def ema_update(ema, model: torch.nn.Module, weight: torch.Tensor) -> None:
 
 def build_step(choice: StepChoice) -> EagerStep | GraphedStep:
     if choice.mode == "graphed":
-        return GraphedStep(fallback=choice.reason.startswith("auto"))
+        return GraphedStep(fallback=choice.fallback)
     return EagerStep()
