@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     config.set_defaults(func=_config)
 
     _add_slurm_parser(sub)
+    from hpctrain.sweep.cli import add_sweep_parser
+
+    add_sweep_parser(sub, _add_run_args)
 
     plan = sub.add_parser("plan", help="estimate step time and scaling efficiency on N nodes x G GPUs from one "
                           "device's measured step and the bus bandwidth")
@@ -61,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the estimate as JSON")
     plan.set_defaults(func=_plan)
 
-    report = sub.add_parser("report", help="plots and a summary (Markdown + HTML) of a run dir's metrics and monitors")
-    report.add_argument("run_dir", help="the run directory")
+    report = sub.add_parser("report", help="plots and a summary (Markdown + HTML) of a run dir's metrics and monitors, "
+                            "or a sweep dir's comparison of its points")
+    report.add_argument("run_dir", help="the run directory, or a sweep directory")
     report.add_argument("--debug", action="store_true", help="show tracebacks")
     report.set_defaults(func=_report)
 
@@ -289,7 +293,8 @@ def _add_slurm_parser(sub) -> None:
     for name, text in (("status", "Slurm state and training progress"), ("cancel", "cancel the job"),
                        ("logs", "print (or follow) the job's log")):
         p = ssub.add_parser(name, help=text)
-        p.add_argument("target", metavar="RUN_DIR|JOB_ID", help="a run dir submitted from, or a job id")
+        p.add_argument("target", metavar="RUN_DIR|JOB_ID",
+                       help="a run dir submitted from, a job id, or a sweep's array task (JOBID_INDEX)")
         p.add_argument("--debug", action="store_true", help="show tracebacks")
         if name == "cancel":
             p.add_argument("--signal", default="", metavar="SIG",
@@ -321,6 +326,12 @@ def _slurm(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    if (Path(args.run_dir) / "sweep.toml").is_file():  # a sweep dir: the comparison of its points
+        from hpctrain.sweep.report import sweep_report_command
+
+        return sweep_report_command(Path(args.run_dir))
     from hpctrain.monitor.report import report_command
 
     return report_command(args.run_dir)

@@ -235,3 +235,65 @@ def test_srun_launcher_preemption_signal_reaches_every_task_and_the_job_resumes(
     assert "got SIGUSR2, passing it to the job step" in log
     assert "stopped by SIGUSR2" in log and "resumed from" in log
     assert val_records(run_dir)[-1]["step"] == 30
+
+
+# ---- a sweep: one job array ------------------------------------------------------------------------------------
+
+SWEEP = ["train.max_steps=30", "log.every_steps=5", "eval.every_steps=15", "data.num_workers=0", "slurm.nodes=1",
+         "slurm.gpus_per_node=1", "slurm.gpus=false", "slurm.cpus_per_task=1", "slurm.monitor_every_s=0",
+         "fault.heartbeat_every_s=1", f"slurm.env=['HPCTRAIN_FAULT={PAUSE}']"]
+GRID = ["--grid", "optim.lr=1e-3,3e-3", "--grid", "train.micro_batch_size=25,50"]
+
+
+def _running_tasks(cluster, array_id: str) -> list[int]:
+    out = cluster.run("squeue", "--noheader", "--array", "--jobs", array_id, "--format=%i|%T").stdout
+    return [int(i.split("_")[1]) for i, state in (line.split("|") for line in out.split()) if state == "RUNNING"
+            and "[" not in i]
+
+
+def test_a_sweep_array_runs_every_point_survives_a_preemption_and_equals_runs_made_alone(cluster, tmp_path):
+    """4 points, at most 2 at once; one running point preempted with USR2 is requeued and resumes its own
+    checkpoint; all finish; every point's validation metrics and weights equal `hpctrain train` of its config."""
+    from hpctrain.sweep.plan import read_plan
+
+    sweep, env = tmp_path / "sweep", {"SLURM_CONF": str(cluster.conf)}
+    res = run_hpctrain(["sweep", "submit", "digits", *SWEEP, *GRID, "--max-parallel", "2", "--dir", str(sweep)],
+                       env=env, cwd=tmp_path, timeout=60)
+    assert res.returncode == 0, res.output
+    array_id = res.stdout.strip().splitlines()[-1]
+    points = read_plan(sweep).points
+    deadline, victim, most = time.monotonic() + 150, None, 0
+    while victim is None:
+        assert time.monotonic() < deadline, f"no point got to step 10: {cluster.run('squeue').stdout}"
+        running = _running_tasks(cluster, array_id)
+        most = max(most, len(running))
+        for i in running:
+            metrics = sweep / points[i].name / "metrics.jsonl"
+            if metrics.exists() and any(r["step"] >= 10 for r in read_jsonl(metrics)):
+                victim = i
+        time.sleep(0.2)
+    res = run_hpctrain(["slurm", "cancel", f"{array_id}_{victim}", "--signal=USR2"], env=env)
+    assert res.returncode == 0, res.output
+    for p in points:
+        while (fields := cluster.job(f"{array_id}_{p.index}")).get("JobState") != "COMPLETED":
+            assert fields.get("JobState") not in ("FAILED", "CANCELLED", "TIMEOUT"), fields
+            assert time.monotonic() < deadline + 150, f"{p.name}: {fields}"
+            most = max(most, len(_running_tasks(cluster, array_id)))
+            time.sleep(0.5)
+    assert most <= 2  # --max-parallel 2
+    assert int(cluster.job(f"{array_id}_{victim}")["Restarts"]) == 1
+    log = "".join(p.read_text() for p in (sweep / "logs").glob(f"*_{array_id}_{victim}.out"))
+    assert "stopped by SIGUSR2" in log and "resumed from" in log and f"sweep point {points[victim].name}" in log
+    status = run_hpctrain(["sweep", "status", str(sweep)], env=env)
+    assert status.returncode == 0 and status.stdout.count("| done | 30 |") == 4, status.output
+    assert "requeued 1 time(s)" in next(line for line in status.stdout.splitlines() if points[victim].name in line)
+    report = run_hpctrain(["report", str(sweep)], env=env)
+    assert report.returncode == 0 and "**best**" in report.stdout, report.output
+    local = [o for o in SWEEP if not o.startswith(("slurm.", "fault."))]
+    for p in points:
+        alone = tmp_path / "alone" / p.name
+        res = run_hpctrain(["train", "digits", f"run.dir={alone}", *local, *p.overrides],
+                           env={"HPCTRAIN_FAULT": PAUSE}, timeout=180)
+        assert res.returncode == 0, res.output
+        assert val_records(sweep / p.name) == val_records(alone), p.name
+        assert same_params(final_params(sweep / p.name), final_params(alone)), p.name

@@ -105,6 +105,9 @@ class Experiment(ABC):
     """Dotted-key defaults that replace hpctrain's for this experiment (below the TOML file and the command line)."""
     main_metric: ClassVar[str] = "loss"
     """The validation metric a report leads with."""
+    higher_is_better: ClassVar[bool] = False
+    """Whether a larger main_metric is better (accuracy, mIoU) or a smaller one (a loss): how a sweep's report
+    ranks its points."""
     graphable: ClassVar[bool] = True
     """Whether train_loss can run inside a captured CUDA graph (train.step_mode=graphed): no host synchronisation
     (.item(), a data-dependent shape), no CPU tensors, per-sample draws through BatchInfo. False: auto runs eagerly."""

@@ -69,6 +69,8 @@ class Facts:
     """Shards of the training split (the first shard folder), from its manifest; 0 if unknown."""
     train_bytes: int = 0
     """Their bytes."""
+    max_array_size: int = 0
+    """The cluster's MaxArraySize (a job array's indices must stay below it); 0 if unknown or not asked (one run)."""
 
 
 def partition_nodes(partition: str) -> tuple[tuple[NodeFacts, ...], str]:
@@ -122,8 +124,21 @@ def gather_facts(cfg: RunConfig, spec: JobSpec) -> Facts:
         commands=frozenset(c for c in (s.container_runtime,) if shutil.which(c)),
         module_system=module_system_present(),
         nodes=nodes,
+        max_array_size=max_array_size() if spec.array is not None else 0,
         **_data_facts(cfg, Path(spec.workdir)),
     )
+
+
+def max_array_size() -> int:
+    """MaxArraySize from `scontrol show config`; 0 when it cannot be asked here."""
+    if shutil.which("scontrol") is None:
+        return 0
+    try:
+        proc = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=20)
+    except (subprocess.TimeoutExpired, OSError):
+        return 0
+    found = re.search(r"^MaxArraySize\s*=\s*(\d+)", proc.stdout, re.MULTILINE)
+    return int(found.group(1)) if found else 0
 
 
 def _nearest_existing(path: Path) -> str:

@@ -96,8 +96,9 @@ def recorded_jobs(run_dir: Path) -> list[str]:
 
 
 def resolve_target(target: str) -> tuple[str, Path | None]:
-    """(job id, run dir or None) for a run dir or a job id."""
-    if target.isdigit():
+    """(job id, run dir or None) for a run dir, a job id, or an array task's id (ARRAY_TASK, e.g. 812_3: one point
+    of a sweep)."""
+    if re.fullmatch(r"\d+(_\d+)?", target):
         return target, None
     run_dir = Path(target)
     if not run_dir.is_dir():

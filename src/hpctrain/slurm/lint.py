@@ -42,7 +42,7 @@ class Finding:
 def lint(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
     findings: list[Finding] = []
     for check in (_batch, _cpus, _srun_share, _time, _run_dir, _workdir, _environment, _partition, _staging,
-                  _shard_local):
+                  _shard_local, _array):
         findings += check(cfg, spec, facts)
     return sorted(findings, key=lambda f: ("error", "warning", "info").index(f.level))
 
@@ -346,3 +346,14 @@ def node_cpus(s: SlurmSection, facts: Facts) -> int:
     usable = _usable_nodes(s, facts) or list(facts.nodes)
     enough = [c for c in {n.cpus for n in usable} if sum(n.count for n in usable if n.cpus >= c) >= s.nodes]
     return max(enough or [n.cpus for n in usable], default=0)
+
+
+def _array(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
+    """A sweep's array against the cluster's MaxArraySize (its indices 0..N-1 must stay below it)."""
+    if spec.array is None or not facts.max_array_size or len(spec.array.points) < facts.max_array_size:
+        return []
+    n = len(spec.array.points)
+    return [Finding("error", "--grid", f"the sweep's array has {n} tasks; this cluster's MaxArraySize is "
+                    f"{facts.max_array_size} (indices must stay below it)",
+                    f"split the grid into sweeps of at most {facts.max_array_size - 1} points (--max-parallel limits "
+                    "how many run at once, not how many the array holds), or ask your admins.")]

@@ -47,6 +47,18 @@ CONFIG_DELIMITER = "HPCTRAIN_CONFIG_EOF"
 
 
 @dataclass(frozen=True, kw_only=True)
+class ArraySpec:
+    """A sweep's job array (hpctrain.sweep): task i trains point i, each point a run dir of its own."""
+
+    sweep_dir: str
+    """Absolute sweep directory: the points' run dirs, their configs (configs/NAME.toml) and the array's logs."""
+    points: tuple[str, ...]
+    """The points' names, in array-index order (each also its run dir's name in the sweep dir)."""
+    max_parallel: int = 0
+    """At most this many tasks at once (sbatch --array=...%K); 0: as many as the cluster runs."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class JobSpec:
     """Everything the script depends on; built by :func:`hpctrain.slurm.job.job_spec`."""
 
@@ -70,6 +82,8 @@ class JobSpec:
     """fault.warning_signal, e.g. SIGUSR2, or 'none'."""
     version: str
     """hpctrain version, for the header."""
+    array: ArraySpec | None = None
+    """A sweep's job array: the run dir and config come from the task's point. None: one run."""
 
 
 def sbatch_quote(value: str) -> str:
@@ -136,11 +150,13 @@ def render_script(spec: JobSpec) -> str:
 
 
 def _header(spec: JobSpec) -> str:
+    again = ("hpctrain sweep submit EXPERIMENT --grid KEY=V1,V2 ... --dry-run" if spec.array
+             else "hpctrain slurm render EXPERIMENT --config FILE [key=value ...]")
     return (
         "#!/bin/bash\n"
         f"# Written by hpctrain {spec.version} for experiment {spec.experiment!r}.\n"
         "# Change the [slurm] config and render again rather than editing this file:\n"
-        "#   hpctrain slurm render EXPERIMENT --config FILE [key=value ...]"
+        f"#   {again}"
     )
 
 
@@ -161,8 +177,12 @@ def _sbatch_lines(spec: JobSpec) -> str:
             opts.append((key, value))
     if s.exclusive:
         opts.append(("--exclusive", None))
+    if spec.array is not None:
+        n, k = len(spec.array.points), spec.array.max_parallel
+        opts.append(("--array", f"0-{n - 1}" + (f"%{k}" if k else "")))
+    output = f"{spec.array.sweep_dir}/logs/%x_%A_%a.out" if spec.array else f"{spec.run_dir}/logs/%x_%j.out"
     opts += [
-        ("--output", f"{spec.run_dir}/logs/%x_%j.out"),
+        ("--output", output),
         ("--open-mode", "append"),
     ]
     opts.append(("--requeue", None) if s.requeue else ("--no-requeue", None))
@@ -182,12 +202,25 @@ def _preamble(spec: JobSpec) -> str:
     return "\n".join([
         "",
         "set -euo pipefail",
-        f"RUN_DIR={q(spec.run_dir)}",
+        *_run_dir_lines(spec),
         f"cd {q(spec.workdir)}",
         'mkdir -p "$RUN_DIR/logs" "$RUN_DIR/slurm" "$RUN_DIR/monitor"',
         'echo "hpctrain: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST, '
         'started $(date -Is)"',
     ])
+
+
+def _run_dir_lines(spec: JobSpec) -> list[str]:
+    if spec.array is None:
+        return [f"RUN_DIR={q(spec.run_dir)}"]
+    return [
+        f"SWEEP_DIR={q(spec.array.sweep_dir)}",
+        "# this array task's point of the sweep: its own run dir, config, checkpoints (a requeue resumes it alone)",
+        "POINTS=(" + " ".join(q(p) for p in spec.array.points) + ")",
+        'POINT="${POINTS[$SLURM_ARRAY_TASK_ID]}"',
+        'RUN_DIR="$SWEEP_DIR/$POINT"',
+        'echo "hpctrain: sweep point $POINT (array task $SLURM_ARRAY_TASK_ID of job $SLURM_ARRAY_JOB_ID)"',
+    ]
 
 
 def _environment(spec: JobSpec) -> str:
@@ -245,6 +278,14 @@ def _network(spec: JobSpec) -> str:
 
 
 def _config(spec: JobSpec) -> str:
+    if spec.array is not None:
+        return "\n".join([
+            "",
+            "# --- the point's resolved config, written by 'hpctrain sweep submit' (a requeued task runs the same) ---",
+            'CONFIG="$RUN_DIR/slurm/config_$SLURM_JOB_ID.toml"',
+            'cp "$SWEEP_DIR/configs/$POINT.toml" "$CONFIG.tmp"',
+            'mv -f "$CONFIG.tmp" "$CONFIG"',
+        ])
     return "\n".join([
         "",
         "# --- the resolved config, fixed at render time (a requeued job runs the same config) ---",

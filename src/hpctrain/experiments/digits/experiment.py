@@ -33,6 +33,7 @@ class DigitsExperiment(Experiment):
     name = "digits"
     config_class = DigitsOptions
     main_metric = "accuracy"
+    higher_is_better = True
     defaults = {
         "train.global_batch_size": 100,
         "train.micro_batch_size": 25,

@@ -80,6 +80,7 @@ class FaceSegExperiment(Experiment):
     name = "faceseg"
     config_class = FaceSegOptions
     main_metric = "miou"
+    higher_is_better = True
     class_names = CLASSES
 
     def __init__(self, cfg) -> None:

@@ -1,0 +1,108 @@
+"""A sweep on disk: every point's config resolved and checked, then `SWEEP_DIR/sweep.toml` (the base config's
+sources, the axes, the points in array order) and `SWEEP_DIR/configs/NAME.toml` (each point's resolved config,
+what its array task or local run trains with). A sweep is a list of configs plus an index: nothing in the training
+path knows about it."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import tomli_w
+
+from hpctrain.atomic import atomic_write_text
+from hpctrain.config.batch import plan_batches
+from hpctrain.config.load import config_to_toml
+from hpctrain.config.schema import RunConfig
+from hpctrain.errors import UserError
+from hpctrain.sweep.grid import Axis, Point, grid_points, parse_axis
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+SWEEP_FILE = "sweep.toml"
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    sweep_dir: Path
+    """Absolute sweep directory."""
+    experiment: str
+    config_file: str
+    """The base config file ('' for none), absolute."""
+    overrides: tuple[str, ...]
+    """key=value settings shared by every point."""
+    axes: tuple[Axis, ...]
+    points: tuple[Point, ...]
+
+    def run_dir(self, point: Point) -> Path:
+        return self.sweep_dir / point.name
+
+    def config_path(self, point: Point) -> Path:
+        return self.sweep_dir / "configs" / f"{point.name}.toml"
+
+
+def build_plan(experiment: str, config_file: str | None, overrides: tuple[str, ...], grid: list[str],
+               sweep_dir: str, allow_large: bool = False) -> tuple[SweepPlan, dict[str, RunConfig]]:
+    """The plan and every point's resolved config, each checked: a bad value names its point and key."""
+    axes = tuple(parse_axis(g) for g in grid)
+    points = tuple(grid_points(list(axes), allow_large))
+    base = [o for o in overrides if not o.partition("=")[0].strip().startswith("run.dir")]
+    plan = SweepPlan(Path(sweep_dir).resolve(), experiment, str(Path(config_file).resolve()) if config_file else "",
+                     tuple(base), axes, points)
+    return plan, {p.name: resolve_point(plan, p) for p in points}
+
+
+def resolve_point(plan: SweepPlan, point: Point) -> RunConfig:
+    from hpctrain.train.entry import resolve
+
+    own = (*plan.overrides, *point.overrides, f"run.dir={plan.run_dir(point)}")
+    try:
+        cfg = resolve(plan.experiment, plan.config_file or None, own)[1]
+        s = cfg.slurm
+        plan_batches(cfg.train.global_batch_size, cfg.train.micro_batch_size, s.nodes * s.gpus_per_node)
+    except UserError as err:
+        where = ", ".join(point.overrides)
+        raise type(err)(f"sweep point {point.name} ({where}): {err.args[0] if err.args else err}", err.hint) from None
+    return cfg
+
+
+def write_plan(plan: SweepPlan, configs: dict[str, RunConfig]) -> None:
+    """sweep.toml and configs/; a sweep dir that holds another sweep is refused (nothing is overwritten)."""
+    path = plan.sweep_dir / SWEEP_FILE
+    text = tomli_w.dumps(_to_dict(plan))
+    if path.exists() and path.read_text() != text:
+        raise UserError(f"{plan.sweep_dir} already holds another sweep ({SWEEP_FILE} differs: other axes, values or "
+                        "settings)", "choose another --dir, or repeat the same command to go on with that sweep.")
+    (plan.sweep_dir / "configs").mkdir(parents=True, exist_ok=True)
+    for point in plan.points:
+        atomic_write_text(plan.config_path(point), config_to_toml(configs[point.name]))
+    atomic_write_text(path, text)
+
+
+def _to_dict(plan: SweepPlan) -> dict:
+    return {
+        "experiment": plan.experiment, "config_file": plan.config_file, "overrides": list(plan.overrides),
+        "axes": [{"key": a.key, "values": list(a.values)} for a in plan.axes],
+        "points": [{"index": p.index, "name": p.name, "settings": [list(kv) for kv in p.settings]}
+                   for p in plan.points],
+    }
+
+
+def read_plan(sweep_dir: Path) -> SweepPlan:
+    path = Path(sweep_dir) / SWEEP_FILE
+    if not path.is_file():
+        raise UserError(f"{sweep_dir} is not a sweep directory (no {SWEEP_FILE})",
+                        "pass the --dir given to 'hpctrain sweep submit'.")
+    try:
+        data = tomllib.loads(path.read_text())
+        axes = tuple(Axis(a["key"], tuple(a["values"])) for a in data["axes"])
+        points = tuple(Point(p["index"], p["name"], tuple((k, v) for k, v in p["settings"])) for p in data["points"])
+        return SweepPlan(Path(sweep_dir).resolve(), data["experiment"], data["config_file"],
+                         tuple(data["overrides"]), axes, points)
+    except (tomllib.TOMLDecodeError, KeyError, TypeError, ValueError) as err:
+        raise UserError(f"{path} is damaged ({type(err).__name__}: {err})",
+                        "it is written by 'hpctrain sweep submit'; submit the sweep again into a new --dir.") from None

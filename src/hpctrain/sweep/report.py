@@ -1,0 +1,133 @@
+"""`hpctrain report SWEEP_DIR`: every point's final and best validation metrics in one table (ranked by the
+experiment's main metric, the best marked, failed points listed with their error), and the points' validation
+curves overlaid (and, with two or more axes, one panel per value of the first), as SWEEP_DIR/report/summary.md and
+index.html with curves.png and curves_by_AXIS.png."""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpctrain.metrics.records import metric_values, read_metrics
+from hpctrain.monitor.report import summary_html
+from hpctrain.sweep.commands import PointStatus, collect_status, point_error
+from hpctrain.sweep.plan import SweepPlan, read_plan
+
+
+@dataclass(frozen=True)
+class PointResult:
+    name: str
+    settings: tuple[tuple[str, str], ...]
+    state: str
+    steps: int | None
+    final: float | None
+    """The main metric at the last validation."""
+    best: float | None
+    best_step: int | None
+    error: str = ""
+    curve: tuple[tuple[int, float], ...] = ()
+    """(step, main metric) of every validation."""
+
+
+def point_results(plan: SweepPlan, main: str, higher: bool, statuses: list[PointStatus]) -> list[PointResult]:
+    out = []
+    for point, status in zip(plan.points, statuses, strict=True):
+        path = plan.run_dir(point) / "metrics.jsonl"
+        records = read_metrics(path) if path.exists() else []
+        curve = tuple((r["step"], metric_values(r)[main]) for r in records
+                      if r["split"] == "val" and main in metric_values(r))
+        best = (max if higher else min)(curve, key=lambda sv: sv[1]) if curve else None
+        error = point_error(plan, point.name) if status.state == "failed" else ""
+        out.append(PointResult(point.name, point.settings, status.state, status.step,
+                               curve[-1][1] if curve else None, best[1] if best else None,
+                               best[0] if best else None, error, curve))
+    return out
+
+
+def ranked(results: list[PointResult], higher: bool) -> list[PointResult]:
+    """Points with a final metric, best first; then the others in their order (failed ones are not dropped)."""
+    scored = [r for r in results if r.final is not None and not math.isnan(r.final)]
+    scored.sort(key=lambda r: -r.final if higher else r.final)  # type: ignore[operator]
+    return scored + [r for r in results if r not in scored]
+
+
+def sweep_table(plan: SweepPlan, results: list[PointResult], main: str, higher: bool) -> str:
+    """The comparison as Markdown (a pure function of its inputs: golden-tested)."""
+    keys = [a.key for a in plan.axes]
+    goal = "higher is better" if higher else "lower is better"
+    lines = [f"# Sweep report: {plan.sweep_dir.name}", "",
+             f"Sweep dir: `{plan.sweep_dir}`; experiment {plan.experiment}; {len(results)} point(s); "
+             f"ranked by the final validation {main} ({goal}).", "",
+             "| rank | point | " + " | ".join(keys) + f" | final {main} | best {main} (step) | steps | state |",
+             "|---:|---|" + "---|" * len(keys) + "---:|---:|---:|---|"]
+    order = ranked(results, higher)
+    for rank, r in enumerate(order, 1):
+        has = r.final is not None
+        mark = " **best**" if rank == 1 and has else ""
+        final = f"{r.final:.4g}{mark}" if has else "-"
+        best = f"{r.best:.4g} ({r.best_step})" if r.best is not None else "-"
+        values = " | ".join(v for _, v in r.settings)
+        lines.append(f"| {rank if has else '-'} | {r.name} | {values} | {final} | {best} | "
+                     f"{'-' if r.steps is None else r.steps} | {r.state} |")
+    failed = [r for r in order if r.state == "failed"]
+    if failed:
+        lines += ["", "## Failed points", ""] + [f"- {r.name}: {r.error or 'no error line found'}" for r in failed]
+    return "\n".join(lines) + "\n"
+
+
+def plot_curves(plan: SweepPlan, results: list[PointResult], main: str, out: Path, by_first: bool = False) -> Path:
+    """The points' validation curves overlaid in one panel; by_first: one panel per value of the first axis (the
+    other axes in each), which reads better when the points are many."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    first = plan.axes[0]
+    panels: list[str | None] = list(first.values) if by_first else [None]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels) if by_first else 7, 4), squeeze=False,
+                             sharey=True)
+    for ax, value in zip(axes[0], panels):
+        for r in results:
+            if not r.curve or (value is not None and dict(r.settings)[first.key] != value):
+                continue
+            label = ", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in r.settings if value is None or k != first.key)
+            ax.plot([s for s, _ in r.curve], [m for _, m in r.curve], marker="o", markersize=3, label=label)
+        ax.set_title(f"{first.key}={value}" if value is not None else f"validation {main}, every point")
+        ax.set_xlabel("step")
+        ax.set_ylabel(main)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def write_sweep_report(sweep_dir: Path) -> Path:
+    from hpctrain.experiments import resolve_experiment
+
+    plan = read_plan(sweep_dir)
+    cls = resolve_experiment(plan.experiment)
+    main, higher = cls.main_metric, cls.higher_is_better
+    results = point_results(plan, main, higher, collect_status(plan))
+    out = plan.sweep_dir / "report"
+    out.mkdir(exist_ok=True)
+    pictures = [plot_curves(plan, results, main, out / "curves.png").name]
+    if len(plan.axes) > 1:
+        by = plan.axes[0].key.rsplit(".", 1)[-1]
+        pictures.append(plot_curves(plan, results, main, out / f"curves_by_{by}.png", by_first=True).name)
+    markdown = sweep_table(plan, results, main, higher) + "\n" + "".join(f"![{p}]({p})\n" for p in pictures)
+    (out / "summary.md").write_text(markdown)
+    (out / "index.html").write_text(summary_html(markdown, pictures))
+    return out
+
+
+def sweep_report_command(sweep_dir: Path) -> int:
+    out = write_sweep_report(sweep_dir)
+    print((out / "summary.md").read_text(), end="")
+    print(f"hpctrain: report written to {out}/ (index.html, summary.md, curves*.png)", file=sys.stderr)
+    return 0
