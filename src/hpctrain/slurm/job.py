@@ -24,6 +24,8 @@ from hpctrain.errors import UserError
 from hpctrain.slurm.render import JobSpec
 
 JOBS_FILE = "slurm/jobs.jsonl"
+SIGNAL_ANSWER_S = 4.0
+"""How long scancel may take to signal a job: its first retry comes after 5 s (see cancel)."""
 
 
 def job_spec(cfg: RunConfig, workdir: Path | None = None) -> JobSpec:
@@ -151,7 +153,21 @@ def cancel(job_id: str, signal: str = "") -> None:
     """scancel; with a signal, send it to the batch shell only (its trap passes it to every task, as Slurm's
     --signal=B:SIG@LEAD does before the time limit)."""
     args = ["scancel"] + ([f"--signal={signal}", "--batch"] if signal else []) + [job_id]
-    proc = run_slurm(args)
+    if signal:
+        # Signalling an array task's batch shell, Slurm 22.05 delivered the signal and still answered "Job can not be
+        # altered now, try again later"; scancel then retries (after 5, 6, 7 s ...) until the task, requeued by the
+        # signal, runs again, and signals it a second time (seen on the test cluster: a second preemption). One
+        # request only: scancel is stopped before its first retry.
+        try:
+            proc = subprocess.run([slurm_command("scancel")] + args[1:], capture_output=True, text=True,
+                                  timeout=SIGNAL_ANSWER_S)
+        except subprocess.TimeoutExpired:
+            print(f"hpctrain: Slurm answered the signal to {job_id} with 'try again later' (it may have been delivered "
+                  "all the same); not retried, so that a job it requeued is not signalled again. Check the job's log "
+                  "for 'got SIG...' and send it again if it is not there.", file=sys.stderr)
+            return
+    else:
+        proc = run_slurm(args)
     if proc.returncode != 0:
         raise UserError(f"scancel failed: {proc.stderr.strip()}", "check the job id with 'hpctrain slurm status'.")
 
