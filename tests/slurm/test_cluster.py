@@ -262,16 +262,18 @@ def test_a_sweep_array_runs_every_point_survives_a_preemption_and_equals_runs_ma
     assert res.returncode == 0, res.output
     array_id = res.stdout.strip().splitlines()[-1]
     points = read_plan(sweep).points
-    deadline, victim, most = time.monotonic() + 150, None, 0
-    while victim is None:
-        assert time.monotonic() < deadline, f"no point got to step 10: {cluster.run('squeue').stdout}"
+    # The victim is the last task to start: it carries the array's own job id, and `scontrol requeue ARRAY_ID`
+    # would requeue every task of the array (hpctrain requeues ARRAY_TASK).
+    deadline, victim, most = time.monotonic() + 150, len(points) - 1, 0
+    while True:
+        assert time.monotonic() < deadline, f"the last point did not get to step 10: {cluster.run('squeue').stdout}"
         running = _running_tasks(cluster, array_id)
         most = max(most, len(running))
-        for i in running:
-            metrics = sweep / points[i].name / "metrics.jsonl"
-            if metrics.exists() and any(r["step"] >= 10 for r in read_jsonl(metrics)):
-                victim = i
+        metrics = sweep / points[victim].name / "metrics.jsonl"
+        if victim in running and metrics.exists() and any(r["step"] >= 10 for r in read_jsonl(metrics)):
+            break
         time.sleep(0.2)
+    assert cluster.job(f"{array_id}_{victim}")["JobId"] == array_id
     res = run_hpctrain(["slurm", "cancel", f"{array_id}_{victim}", "--signal=USR2"], env=env)
     assert res.returncode == 0, res.output
     for p in points:
@@ -282,6 +284,7 @@ def test_a_sweep_array_runs_every_point_survives_a_preemption_and_equals_runs_ma
             time.sleep(0.5)
     assert most <= 2  # --max-parallel 2
     assert int(cluster.job(f"{array_id}_{victim}")["Restarts"]) == 1
+    assert all(int(cluster.job(f"{array_id}_{p.index}")["Restarts"]) == 0 for p in points if p.index != victim)
     log = "".join(p.read_text() for p in (sweep / "logs").glob(f"*_{array_id}_{victim}.out"))
     assert "stopped by SIGUSR2" in log and "resumed from" in log and f"sweep point {points[victim].name}" in log
     status = run_hpctrain(["sweep", "status", str(sweep)], env=env)

@@ -1,7 +1,8 @@
 """Sweeps (hpctrain.sweep): the grid, every point checked before anything is written, the array script (golden),
 the lint against MaxArraySize, Slurm's view of an array parsed, the report's table (golden), and a --local sweep of
 the toy experiment end to end: a failed point listed with its error, a finished one equal to the same config run
-alone with `hpctrain train`. The array on a real two-node Slurm cluster: tests/slurm/test_sweep.py."""
+alone with `hpctrain train`. The array on a real two-node Slurm cluster: the last test of
+tests/slurm/test_cluster.py."""
 
 from __future__ import annotations
 
@@ -34,10 +35,12 @@ def test_axes_read_lists_and_quotes_as_one_value_and_refuse_what_a_sweep_cannot_
     assert parse_axis("model.ch_mult=[1, 2],[1,2,2]").values == ("[1, 2]", "[1,2,2]")
     assert parse_axis("model.name='a,b',c").values == ("'a,b'", "c")
     for bad, words in (("optim.lr", "expected KEY=VALUE1"), ("optim.lr=1e-4,,2e-4", "empty value"),
-                       ("optim.lr=1,1", "repeated"), ("run.dir=a,b", "run.* or slurm.*"),
-                       ("slurm.nodes=1,2", "one job shape")):
+                       ("optim.lr=1,1", "repeated"), ("run.dir=a,b", "does not vary run.dir"),
+                       ("slurm.nodes=1,2", "one job script"),
+                       ("fault.warning_signal=SIGUSR1,SIGHUP", "one job script")):
         with pytest.raises(UserError, match=words):
             parse_axis(bad)
+    assert parse_axis("run.seed=0,1,2").values == ("0", "1", "2")  # seeds are a fine axis
 
 
 def test_points_are_every_combination_first_axis_slowest_with_readable_names():
@@ -45,8 +48,10 @@ def test_points_are_every_combination_first_axis_slowest_with_readable_names():
     assert [p.name for p in points] == ["p000_lr=1e-4_micro_batch_size=32", "p001_lr=1e-4_micro_batch_size=64",
                                         "p002_lr=2e-4_micro_batch_size=32", "p003_lr=2e-4_micro_batch_size=64"]
     assert points[2].overrides == ("optim.lr=2e-4", "train.micro_batch_size=32")
-    clash = grid_points([Axis("a.x", ("1",)), Axis("b.x", ("[1, 2]",))])
-    assert clash[0].name == "p000_a.x=1_b.x=1-2"  # the whole key where last parts clash; a value made file-safe
+    clash = grid_points([Axis("a.x", ("-1",)), Axis("b.x", ("[1, 2]",))])
+    assert clash[0].name == "p000_a.x=-1_b.x=1-2"  # the whole key where last parts clash; values made file-safe
+    long = grid_points([Axis(f"k.a{i}", ("x" * 40,)) for i in range(5)])[0].name
+    assert len(long) == 120 and long.startswith("p000_a0=xxx")  # cut, with a hash: under any file-name limit
 
 
 def test_a_grid_above_the_limit_is_refused_unless_asked_for():
@@ -66,9 +71,9 @@ def test_a_bad_value_names_its_point_and_key_and_an_unknown_key_gets_a_hint(tmp_
         build_plan("digits", None, (), ["optim.lr=0.1,fast"], str(tmp_path / "s"))
     with pytest.raises(UserError) as err:
         build_plan("digits", None, (), ["optim.lrr=0.1"], str(tmp_path / "s"))
-    assert "p000_lrr=0.1" in str(err.value) and "optim.lr" in str(err.value) + err.value.hint
+    assert "sweep point p000_lrr=0.1" in str(err.value) and "Did you mean 'optim.lr'?" in str(err.value)
     # the batch arithmetic of every point against the job's shape (2 nodes x 3 processes)
-    with pytest.raises(UserError, match=r"sweep point p001_global_batch_size=32 .*32"):
+    with pytest.raises(UserError, match=r"sweep point p001_global_batch_size=32 .*: .*cannot be split evenly across 6"):
         build_plan("digits", None, ("slurm.nodes=2", "slurm.gpus_per_node=3", "train.micro_batch_size=8"),
                    ["train.global_batch_size=48,32"], str(tmp_path / "s"))
     assert not (tmp_path / "s").exists()  # nothing written for a refused sweep
@@ -130,10 +135,35 @@ def test_the_array_script_runs_its_point(tmp_path):
 def test_an_array_above_max_array_size_is_an_error_with_what_to_do(tmp_path):
     plan, spec = _array(tmp_path)
     cfg = build_plan("digits", None, (), ["optim.lr=1e-3"], str(tmp_path / "x"))[1]["p000_lr=1e-3"]
-    assert not [f for f in lint.lint(cfg, spec, Facts(max_array_size=1001)) if f.key == "--grid"]
-    found = [f for f in lint.lint(cfg, spec, Facts(max_array_size=4)) if f.key == "--grid"]
-    assert found and found[0].level == "error" and "MaxArraySize is 4" in found[0].message
-    assert "split the grid" in found[0].hint
+    assert not [f for f in lint.lint(cfg, spec, Facts(max_array_size=4)) if f.key == "--grid"]  # indices 0..3 fit
+    found = [f for f in lint.lint(cfg, spec, Facts(max_array_size=3)) if f.key == "--grid"]
+    assert found and found[0].level == "error" and "MaxArraySize is 3" in found[0].message
+    assert "sweeps of at most 3 points" in found[0].hint
+
+
+def test_a_failed_task_s_error_line_is_the_cause_not_the_script_s_last_line(tmp_path):
+    from hpctrain.sweep.grid import Point
+    from hpctrain.sweep.plan import SweepPlan
+
+    sweep = tmp_path / "s"
+    (sweep / "logs").mkdir(parents=True)
+    plan = SweepPlan(sweep, "digits", "", (), (Axis("optim.lr", ("0.1",)),), (Point(0, "p000_lr=0.1", ()),))
+    (sweep / "logs" / "sweep-s_12_0.out").write_text(
+        "hpctrain: sweep point p000_lr=0.1 (array task 0 of job 12)\nhpctrain: launching: srun ...\n"
+        "12:00:01 INFO step: eager (auto: ...)\nhpctrain: worker rank 0 (local rank 0, pid 9, node1) failed first, "
+        "exit code 1: RuntimeError: loss is NaN\nhpctrain: job step ended with exit code 1 at 2026-11-26T12:00:09\n")
+    state, detail = commands._state_from_log(plan, "12", 0)
+    assert state == "failed" and "RuntimeError: loss is NaN" in detail
+    (sweep / "logs" / "sweep-s_12_0.out").write_text("hpctrain: job step ended with exit code 0 at 12:00\n")
+    assert commands._state_from_log(plan, "12", 0) == ("done", "")
+
+
+def test_slurm_s_states_map_to_a_point_s_state():
+    assert commands._slurm_state("PENDING", "1", "0:0", "BeginTime") == ("requeued", "requeued 1 time(s), BeginTime")
+    assert commands._slurm_state("RUNNING", "0", "0:0", "None") == ("running", "")
+    assert commands._slurm_state("TIMEOUT", "0", "0:15", "") == ("failed", "exit code 0:15")
+    assert commands._indices("[2-5%2]") == [2, 3, 4, 5] and commands._indices("0,4-5") == [0, 4, 5]
+    assert commands._indices("N/A") == []
 
 
 def test_slurm_s_view_of_an_array_is_read_task_by_task():
@@ -170,6 +200,9 @@ Sweep dir: `/s/lr`; experiment digits; 3 point(s); ranked by the final validatio
 - p002_lr=1e-2: hpctrain: error: loss is NaN
 """
     assert sweep_table(plan, results, "accuracy", higher=True) == want
+    running = results + [PointResult("p003_lr=3e-2", (("optim.lr", "3e-2"),), "running", 20, 0.97, 0.97, 20)]
+    text = sweep_table(plan, running, "accuracy", higher=True)
+    assert "| 1 | p001_lr=3e-3 | 3e-3 | 0.95 **best** |" in text and "| 3 | p003_lr=3e-2 | 3e-2 | 0.97 |" in text
     lower = sweep_table(plan, results, "accuracy", higher=False)
     assert lower.index("p000_lr=1e-3 | 1e-3 | 0.91 **best**") < lower.index("p001_lr=3e-3")
 
@@ -214,3 +247,10 @@ def test_a_dry_run_prints_the_points_and_the_script_and_writes_nothing(tmp_path)
     assert res.returncode == 0, res.output
     assert "| p001 | 3e-3 |" in res.stderr and "#SBATCH --array=0-1%1" in res.stdout
     assert not sweep.exists()
+
+
+def test_a_requeue_names_the_array_task_never_the_array():
+    from hpctrain.dist.env import requeue_id
+
+    task = {"SLURM_JOB_ID": "812", "SLURM_ARRAY_JOB_ID": "812", "SLURM_ARRAY_TASK_ID": "3"}  # the last task started
+    assert requeue_id(task) == "812_3" and requeue_id({"SLURM_JOB_ID": "77"}) == "77" and requeue_id({}) == ""

@@ -84,6 +84,15 @@ class LaunchInfo:
     """Slurm job id, or '' outside Slurm."""
 
 
+def requeue_id(environ: Mapping[str, str] | None = None) -> str:
+    """What `scontrol requeue` must be given for this job: in a job array ARRAY_TASK (e.g. 812_3), never the job id
+    alone: the last task to start carries the array's own id, and requeueing that id requeues every task of the
+    array (Slurm's job_requeue takes it for the whole array): running points killed, finished ones queued again."""
+    env = os.environ if environ is None else environ
+    array, task = env.get("SLURM_ARRAY_JOB_ID", ""), env.get("SLURM_ARRAY_TASK_ID", "")
+    return f"{array}_{task}" if array and task else env.get(SLURM_JOB_ID, "")
+
+
 def detect_launch(environ: Mapping[str, str] | None = None) -> LaunchInfo:
     env = os.environ if environ is None else environ
     host = socket.gethostname()

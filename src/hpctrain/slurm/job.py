@@ -153,7 +153,7 @@ def cancel(job_id: str, signal: str = "") -> None:
     """scancel; with a signal, send it to the batch shell only (its trap passes it to every task, as Slurm's
     --signal=B:SIG@LEAD does before the time limit)."""
     args = ["scancel"] + ([f"--signal={signal}", "--batch"] if signal else []) + [job_id]
-    if signal:
+    if signal and "_" in job_id:
         # Signalling an array task's batch shell, Slurm 22.05 delivered the signal and still answered "Job can not be
         # altered now, try again later"; scancel then retries (after 5, 6, 7 s ...) until the task, requeued by the
         # signal, runs again, and signals it a second time (seen on the test cluster: a second preemption). One
@@ -162,9 +162,10 @@ def cancel(job_id: str, signal: str = "") -> None:
             proc = subprocess.run([slurm_command("scancel")] + args[1:], capture_output=True, text=True,
                                   timeout=SIGNAL_ANSWER_S)
         except subprocess.TimeoutExpired:
-            print(f"hpctrain: Slurm answered the signal to {job_id} with 'try again later' (it may have been delivered "
-                  "all the same); not retried, so that a job it requeued is not signalled again. Check the job's log "
-                  "for 'got SIG...' and send it again if it is not there.", file=sys.stderr)
+            print(f"hpctrain: scancel got no final answer for {job_id} within {SIGNAL_ANSWER_S:g} s (Slurm 22.05 "
+                  "answers an array task's signal with 'try again later' after delivering it); stopped before its retry, so "
+                  "that a task it requeued is not signalled again. Check the task's log for 'got SIG...' and send it "
+                  "again if it is not there.", file=sys.stderr)
             return
     else:
         proc = run_slurm(args)

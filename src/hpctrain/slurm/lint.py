@@ -350,10 +350,10 @@ def node_cpus(s: SlurmSection, facts: Facts) -> int:
 
 def _array(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
     """A sweep's array against the cluster's MaxArraySize (its indices 0..N-1 must stay below it)."""
-    if spec.array is None or not facts.max_array_size or len(spec.array.points) < facts.max_array_size:
+    if spec.array is None or not facts.max_array_size or len(spec.array.points) <= facts.max_array_size:
         return []
     n = len(spec.array.points)
-    return [Finding("error", "--grid", f"the sweep's array has {n} tasks; this cluster's MaxArraySize is "
-                    f"{facts.max_array_size} (indices must stay below it)",
-                    f"split the grid into sweeps of at most {facts.max_array_size - 1} points (--max-parallel limits "
+    return [Finding("error", "--grid", f"the sweep's array has {n} tasks (indices 0 to {n - 1}); this cluster's "
+                    f"MaxArraySize is {facts.max_array_size} (indices must stay below it)",
+                    f"split the grid into sweeps of at most {facts.max_array_size} points (--max-parallel limits "
                     "how many run at once, not how many the array holds), or ask your admins.")]

@@ -56,6 +56,8 @@ class ArraySpec:
     """The points' names, in array-index order (each also its run dir's name in the sweep dir)."""
     max_parallel: int = 0
     """At most this many tasks at once (sbatch --array=...%K); 0: as many as the cluster runs."""
+    indices: tuple[int, ...] = ()
+    """The points this array runs (a sweep submitted again: the unfinished ones); empty: all of them."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -178,8 +180,8 @@ def _sbatch_lines(spec: JobSpec) -> str:
     if s.exclusive:
         opts.append(("--exclusive", None))
     if spec.array is not None:
-        n, k = len(spec.array.points), spec.array.max_parallel
-        opts.append(("--array", f"0-{n - 1}" + (f"%{k}" if k else "")))
+        n, k, only = len(spec.array.points), spec.array.max_parallel, spec.array.indices
+        opts.append(("--array", (",".join(map(str, only)) if only else f"0-{n - 1}") + (f"%{k}" if k else "")))
     output = f"{spec.array.sweep_dir}/logs/%x_%A_%a.out" if spec.array else f"{spec.run_dir}/logs/%x_%j.out"
     opts += [
         ("--output", output),

@@ -49,7 +49,12 @@ def submit_command(req: SubmitRequest) -> int:
             return 0
         write_plan(plan, configs)
         return run_locally(plan, req.nproc_per_node)
-    spec = array_spec(plan, configs, req.max_parallel)
+    todo = _unfinished(plan) if (plan.sweep_dir / "sweep.toml").exists() else ()
+    if todo == ("none",):
+        print(f"hpctrain: every point of {plan.sweep_dir} is done; nothing to submit (hpctrain report "
+              f"{plan.sweep_dir})", file=sys.stderr)
+        return 0
+    spec = array_spec(plan, configs, req.max_parallel, tuple(int(i) for i in todo))
     if req.dry_run:
         print(render.render_script(spec), end="")
         return 0
@@ -67,6 +72,21 @@ def submit_command(req: SubmitRequest) -> int:
     return 0
 
 
+def _unfinished(plan: SweepPlan) -> tuple[str, ...]:
+    """Going on with a sweep submitted before: refused while its array is still queued or running (two trainings
+    would write one run dir); else the indices of the points not done (("none",) when all are)."""
+    jobs = job.recorded_jobs(plan.sweep_dir)
+    if jobs:
+        proc = job.run_slurm(["squeue", "--noheader", "--array", "--jobs", jobs[-1], "--format=%i"])
+        if proc.returncode == 0 and proc.stdout.strip():
+            raise UserError(f"the sweep in {plan.sweep_dir} still has array job {jobs[-1]} queued or running",
+                            f"wait for it (hpctrain sweep status {plan.sweep_dir}), or cancel it first "
+                            f"(hpctrain slurm cancel {jobs[-1]}); then the same command submits the unfinished points.")
+    states = collect_status(plan)
+    todo = tuple(str(p.index) for p, s in zip(plan.points, states) if s.state != "done")
+    return todo or ("none",)
+
+
 def point_table(plan: SweepPlan) -> str:
     keys = [a.key for a in plan.axes]
     lines = [f"sweep {plan.sweep_dir}: {plan.experiment}, {len(plan.points)} point(s)",
@@ -75,13 +95,13 @@ def point_table(plan: SweepPlan) -> str:
     return "\n".join(lines)
 
 
-def array_spec(plan: SweepPlan, configs: dict, max_parallel: int) -> render.JobSpec:
+def array_spec(plan: SweepPlan, configs: dict, max_parallel: int, indices: tuple[int, ...] = ()) -> render.JobSpec:
     """The single-run spec of the first point, made an array over all of them (they share the [slurm] section:
     a sweep cannot vary slurm.* keys), its logs and records in the sweep dir."""
     first = configs[plan.points[0].name]
     spec = job.job_spec(first)
     array = render.ArraySpec(sweep_dir=str(plan.sweep_dir), points=tuple(p.name for p in plan.points),
-                             max_parallel=max_parallel)
+                             max_parallel=max_parallel, indices=indices)
     name = first.slurm.job_name or f"sweep-{plan.sweep_dir.name}"
     return dataclasses.replace(spec, job_name=name, run_dir=str(plan.sweep_dir), config_toml="", array=array)
 
@@ -113,11 +133,11 @@ def run_locally(plan: SweepPlan, nproc_per_node: int) -> int:
         args = [sys.executable, "-m", "hpctrain", "train", plan.experiment, "--config", str(plan.config_path(point))]
         if nproc_per_node > 1:
             args += ["--nproc-per-node", str(nproc_per_node)]
+        _record(plan, point.name, "running", None, "")
         code, error = _run_point(args)
-        record = {"state": "done" if code == 0 else "failed", "exit_code": code, "error": error, "time": time.time()}
-        (plan.sweep_dir / STATUS_DIR).mkdir(exist_ok=True)
-        atomic_write_text(plan.sweep_dir / STATUS_DIR / f"{point.name}.json", json.dumps(record) + "\n")
-        if code in (130, -2):  # Ctrl-C: the point saved and stopped; so does the sweep
+        interrupted = code in (130, -2)
+        _record(plan, point.name, "done" if code == 0 else "stopped" if interrupted else "failed", code, error)
+        if interrupted:  # Ctrl-C: the point saved and stopped; so does the sweep
             print(f"hpctrain: sweep interrupted at {point.name}; run the same command again to go on",
                   file=sys.stderr)
             return 130
@@ -125,6 +145,12 @@ def run_locally(plan: SweepPlan, nproc_per_node: int) -> int:
     print(f"hpctrain: sweep done: {len(plan.points) - failed} point(s) finished, {failed} failed; "
           f"hpctrain report {plan.sweep_dir}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _record(plan: SweepPlan, name: str, state: str, code: int | None, error: str) -> None:
+    (plan.sweep_dir / STATUS_DIR).mkdir(exist_ok=True)
+    record = {"state": state, "exit_code": code, "error": error, "time": time.time()}
+    atomic_write_text(plan.sweep_dir / STATUS_DIR / f"{name}.json", json.dumps(record) + "\n")
 
 
 def _run_point(args: list[str]) -> tuple[int, str]:
@@ -143,8 +169,14 @@ def _run_point(args: list[str]) -> tuple[int, str]:
     return code, error
 
 
+ERROR_LINE = re.compile(r"^(hpctrain: error\b|hpctrain: worker rank .* failed|[A-Za-z_.]*(Error|Exception): |"
+                        r"error: )")
+"""A line that says what went wrong: hpctrain's own error line, the launcher's failed-rank line, a Python exception.
+Not the job script's own lines ('hpctrain: job step ended with exit code N', 'hpctrain: launching: ...')."""
+
+
 def _is_error(line: str) -> bool:
-    return bool(re.match(r"^(hpctrain: |hpctrain error|\w*Error\b|error: )", line.strip())) and "warning" not in line
+    return bool(ERROR_LINE.match(line.strip()))
 
 
 # ---- status ----------------------------------------------------------------------------------------------------
@@ -214,33 +246,48 @@ SLURM_STATES = {"PENDING": "pending", "CONFIGURING": "running", "RUNNING": "runn
 
 
 def _array_states(plan: SweepPlan) -> dict[int, tuple[str, str]]:
-    """Array index -> (state, detail) from Slurm for the sweep's last array job; {} for a local sweep. Asks squeue
-    (pending and running tasks), then scontrol (recently ended: requeue counts, exit codes), then the task logs
-    (after Slurm has forgotten the job)."""
+    """Array index -> (state, detail) from Slurm for the sweep's last array job; {} for a local sweep. One scontrol
+    call for every task Slurm still knows (pending ranges, requeue counts, exit codes), one sacct call for those it
+    has forgotten (where accounting is set up), then the task logs; the logs alone where this machine has no Slurm
+    commands."""
     jobs = job.recorded_jobs(plan.sweep_dir)
     if not jobs:
         return {}
     array_id = jobs[-1]
     states: dict[int, tuple[str, str]] = {}
-    proc = job.run_slurm(["squeue", "--noheader", "--array", "--jobs", array_id, "--format=%i|%T|%r"])
-    for index, state, reason in parse_squeue_array(proc.stdout if proc.returncode == 0 else ""):
-        states[index] = (SLURM_STATES.get(state, state.lower()), "" if reason in ("None", "") else reason)
+    try:
+        proc = job.run_slurm(["scontrol", "show", "job", "--oneliner", array_id])
+        for line in (proc.stdout.splitlines() if proc.returncode == 0 else []):
+            fields = job.parse_scontrol_fields(line)
+            for index in _indices(fields.get("ArrayTaskId", "")):
+                states[index] = _slurm_state(fields.get("JobState", ""), fields.get("Restarts", "0"),
+                                             fields.get("ExitCode", "0:0"), fields.get("Reason", ""))
+        missing = [p.index for p in plan.points if p.index not in states]
+        if missing:
+            proc = job.run_slurm(["sacct", "--noheader", "--parsable2", "-X", "--format=JobID,State,ExitCode",
+                                  "-j", array_id])
+            for line in (proc.stdout.splitlines() if proc.returncode == 0 else []):
+                task, _, rest = line.partition("|")
+                state, _, exit_code = rest.partition("|")
+                for index in _indices(task.split("_", 1)[1]) if "_" in task else []:
+                    states.setdefault(index, _slurm_state(state.split()[0] if state else "", "0", exit_code, ""))
+    except UserError:  # no Slurm commands here (a copy of the sweep dir): the task logs
+        pass
     for p in plan.points:
-        if p.index in states and states[p.index][0] != "running":
-            continue
-        fields = job.job_fields(f"{array_id}_{p.index}")
-        restarts = int(fields.get("Restarts", "0") or 0)
-        if fields.get("JobState"):
-            state = SLURM_STATES.get(fields["JobState"], fields["JobState"].lower())
-            if state == "running" and restarts:
-                state = "requeued"
-            exit_code = fields.get("ExitCode", "0:0")
-            states[p.index] = (state, ", ".join(x for x in (
-                f"requeued {restarts} time(s)" if restarts else "",
-                f"exit code {exit_code}" if state == "failed" else "") if x))
-        elif p.index not in states:
+        if p.index not in states:
             states[p.index] = _state_from_log(plan, array_id, p.index)
     return states
+
+
+def _slurm_state(state: str, restarts: str, exit_code: str, reason: str) -> tuple[str, str]:
+    name = SLURM_STATES.get(state, state.lower() or "unknown")
+    requeues = int(restarts or 0) if (restarts or "0").isdigit() else 0
+    if requeues and name in ("pending", "running"):
+        name = "requeued"
+    detail = [f"requeued {requeues} time(s)" if requeues else "",
+              f"exit code {exit_code}" if name == "failed" else "",
+              reason if name in ("pending", "requeued") and reason not in ("", "None") else ""]
+    return name, ", ".join(d for d in detail if d)
 
 
 def parse_squeue_array(text: str) -> list[tuple[int, str, str]]:
@@ -259,11 +306,12 @@ def parse_squeue_array(text: str) -> list[tuple[int, str, str]]:
 
 
 def _indices(tasks: str) -> list[int]:
+    """Array indices of '3', '[2-5%2]', '0,4-6' ([] for anything else)."""
     tasks = tasks.strip("[]").split("%")[0]
-    out = []
+    out: list[int] = []
     for part in tasks.split(","):
-        if "-" in part:
-            lo, hi = part.split("-", 1)
+        lo, dash, hi = part.partition("-")
+        if dash and lo.isdigit() and hi.isdigit():
             out += range(int(lo), int(hi) + 1)
         elif part.isdigit():
             out.append(int(part))

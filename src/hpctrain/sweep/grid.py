@@ -5,16 +5,20 @@ Pure functions (tested alone): nothing here resolves a config or touches a file.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import re
 from dataclasses import dataclass
 
 from hpctrain.errors import UserError
 
+MAX_NAME = 120
+"""Longest point name (a run dir's name): longer ones are cut and given a hash."""
 MAX_POINTS = 1000
 """A bigger grid is refused unless asked for (--allow-large): a typo in an axis should not queue 10,000 jobs."""
-FIXED_KEYS = ("run.", "slurm.")
-"""Keys a sweep does not vary: run.dir is each point's own; the points share one job shape (one array)."""
+FIXED_KEYS = ("run.dir", "run.name", "slurm.", "fault.warning_signal")
+"""Keys a sweep does not vary: run.dir and run.name are each point's own; the points share one job script (its
+shape, and the signal its shell traps). run.seed may be an axis."""
 
 
 @dataclass(frozen=True)
@@ -45,10 +49,10 @@ def parse_axis(text: str) -> Axis:
     key = key.strip()
     if not eq or not key or not rest.strip():
         raise UserError(f"--grid {text!r}: expected KEY=VALUE1,VALUE2,...", "e.g. --grid optim.lr=1e-4,2e-4,4e-4")
-    if key.startswith(FIXED_KEYS):
-        raise UserError(f"--grid {key}: a sweep does not vary run.* or slurm.* keys",
-                        "each point gets its own run dir in the sweep dir, and all points share one job shape "
-                        "(set slurm.* once, as key=value after the experiment); sweep job shapes as separate sweeps.")
+    if key in FIXED_KEYS or key.startswith("slurm."):
+        raise UserError(f"--grid {key}: a sweep does not vary run.dir, run.name, slurm.* or fault.warning_signal",
+                        "each point gets its own run dir in the sweep dir, and all points share one job script (set "
+                        "slurm.* once, as key=value after the experiment); sweep job shapes as separate sweeps.")
     values = tuple(v.strip() for v in _split(rest))
     if any(not v for v in values):
         raise UserError(f"--grid {text!r}: an empty value", "separate values with single commas, e.g. 1e-4,2e-4")
@@ -96,6 +100,8 @@ def grid_points(axes: list[Axis], allow_large: bool = False) -> list[Point]:
     for i, values in enumerate(itertools.product(*(a.values for a in axes))):
         settings = tuple(zip(keys, values))
         name = f"p{i:0{max(3, len(str(count - 1)))}d}_" + "_".join(f"{labels[k]}={_safe(v)}" for k, v in settings)
+        if len(name) > MAX_NAME:  # file names stop at 255 bytes; the index keeps names unique, a hash keeps them apart
+            name = name[:MAX_NAME - 9] + "_" + hashlib.sha256(name.encode()).hexdigest()[:8]
         points.append(Point(i, name, settings))
     return points
 
@@ -107,5 +113,7 @@ def _labels(keys: list[str]) -> dict[str, str]:
 
 
 def _safe(value: str) -> str:
-    """A value as a file-name part: letters, digits and . + - kept, anything else a '-' (at most 40 characters)."""
-    return re.sub(r"[^A-Za-z0-9.+-]+", "-", value).strip("-")[:40] or "x"
+    """A value as a file-name part: letters, digits and . + - kept, anything else a '-' (at most 40 characters; a
+    leading minus sign kept: -1 stays -1)."""
+    out = re.sub(r"[^A-Za-z0-9.+-]+", "-", value).rstrip("-")
+    return (out if value.startswith("-") else out.lstrip("-"))[:40] or "x"

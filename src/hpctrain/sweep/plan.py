@@ -77,10 +77,20 @@ def write_plan(plan: SweepPlan, configs: dict[str, RunConfig]) -> None:
     if path.exists() and path.read_text() != text:
         raise UserError(f"{plan.sweep_dir} already holds another sweep ({SWEEP_FILE} differs: other axes, values or "
                         "settings)", "choose another --dir, or repeat the same command to go on with that sweep.")
+    texts = {p.name: config_to_toml(configs[p.name]) for p in plan.points}
+    changed = [p.name for p in plan.points if plan.config_path(p).exists() and plan.config_path(p).read_text() !=
+               texts[p.name]]
+    if changed:  # the same command, but what it resolves to moved (an edited --config file): not the same sweep
+        raise UserError(f"{plan.sweep_dir}: the resolved config of {len(changed)} point(s) changed since the sweep was "
+                        f"written (e.g. {changed[0]}: configs/{changed[0]}.toml differs; an edited --config file?)",
+                        "a sweep's points keep their configs (their checkpoints were trained with them): submit the "
+                        "changed settings as a new sweep with another --dir.")
     (plan.sweep_dir / "configs").mkdir(parents=True, exist_ok=True)
     for point in plan.points:
-        atomic_write_text(plan.config_path(point), config_to_toml(configs[point.name]))
-    atomic_write_text(path, text)
+        if not plan.config_path(point).exists():
+            atomic_write_text(plan.config_path(point), texts[point.name])
+    if not path.exists():
+        atomic_write_text(path, text)
 
 
 def _to_dict(plan: SweepPlan) -> dict:

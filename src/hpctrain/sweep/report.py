@@ -47,10 +47,15 @@ def point_results(plan: SweepPlan, main: str, higher: bool, statuses: list[Point
 
 
 def ranked(results: list[PointResult], higher: bool) -> list[PointResult]:
-    """Points with a final metric, best first; then the others in their order (failed ones are not dropped)."""
-    scored = [r for r in results if r.final is not None and not math.isnan(r.final)]
-    scored.sort(key=lambda r: -r.final if higher else r.final)  # type: ignore[operator]
-    return scored + [r for r in results if r not in scored]
+    """Finished points by their final metric, best first; then points with a metric that have not finished (running,
+    failed after a validation); then the others in their order (failed ones are not dropped)."""
+    def scored(r: PointResult) -> bool:
+        return r.final is not None and not math.isnan(r.final)
+
+    key = lambda r: -r.final if higher else r.final  # type: ignore[operator]  # noqa: E731
+    done = sorted((r for r in results if scored(r) and r.state == "done"), key=key)
+    partial = sorted((r for r in results if scored(r) and r.state != "done"), key=key)
+    return done + partial + [r for r in results if not scored(r)]
 
 
 def sweep_table(plan: SweepPlan, results: list[PointResult], main: str, higher: bool) -> str:
@@ -65,7 +70,7 @@ def sweep_table(plan: SweepPlan, results: list[PointResult], main: str, higher: 
     order = ranked(results, higher)
     for rank, r in enumerate(order, 1):
         has = r.final is not None
-        mark = " **best**" if rank == 1 and has else ""
+        mark = " **best**" if rank == 1 and has and r.state == "done" else ""
         final = f"{r.final:.4g}{mark}" if has else "-"
         best = f"{r.best:.4g} ({r.best_step})" if r.best is not None else "-"
         values = " | ".join(v for _, v in r.settings)

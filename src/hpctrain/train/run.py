@@ -22,7 +22,7 @@ from hpctrain.data.loader import build_loader
 from hpctrain.data.sampler import EvalBatchSampler, OrderFn, StepBatchSampler
 from hpctrain.data.shard_local import RankLayout, data_order_warning, shard_local_summary
 from hpctrain.dist.collectives import barrier, broadcast_object
-from hpctrain.dist.env import fault_injection_spec, stdout_is_terminal, under_hpctrain_agent
+from hpctrain.dist.env import fault_injection_spec, requeue_id, stdout_is_terminal, under_hpctrain_agent
 from hpctrain.dist.runtime import Runtime
 from hpctrain.dist.wrap import place_model, unwrap_model, wrap_model
 from hpctrain.errors import UserError, on_every_rank, raised_on_every_rank
@@ -371,7 +371,7 @@ def _stopped(ctx: TrainContext, alerter: Alerter, result: loop.LoopResult) -> Ou
                      detail=f"stopped by {signal_name(result.stop_signal)}", log_tail=recent_log_lines())
     barrier(rt)  # every rank is past its save before the job can be requeued (which kills it)
     if rt.is_main and f.requeue and rt.job_id:
-        requeue_slurm_job(rt.job_id)
+        requeue_slurm_job(requeue_id())  # a sweep's array task: its own ARRAY_TASK id, never the array's
     return Outcome(f.exit_code, result.val)
 
 
