@@ -166,13 +166,6 @@ def test_slurm_s_states_map_to_a_point_s_state():
     assert commands._indices("N/A") == []
 
 
-def test_slurm_s_view_of_an_array_is_read_task_by_task():
-    text = "77_0|RUNNING|None\n77_1|COMPLETED|None\n77_[2-3%2]|PENDING|JobArrayTaskLimit\n78|RUNNING|None\n"
-    assert commands.parse_squeue_array(text) == [(0, "RUNNING", "None"), (1, "COMPLETED", "None"),
-                                                 (2, "PENDING", "JobArrayTaskLimit"),
-                                                 (3, "PENDING", "JobArrayTaskLimit")]
-
-
 # ---- the report --------------------------------------------------------------------------------------------------
 
 def test_the_report_ranks_points_by_the_main_metric_marks_the_best_and_lists_failures():

@@ -290,21 +290,6 @@ def _slurm_state(state: str, restarts: str, exit_code: str, reason: str) -> tupl
     return name, ", ".join(d for d in detail if d)
 
 
-def parse_squeue_array(text: str) -> list[tuple[int, str, str]]:
-    """(index, state, reason) per array task of `squeue --array --format=%i|%T|%r` (one line per task; a pending
-    range the controller has not split yet, 'ID_[2-5%2]', is expanded)."""
-    out = []
-    for line in text.splitlines():
-        parts = line.strip().split("|")
-        if len(parts) < 2 or "_" not in parts[0]:
-            continue
-        tasks = parts[0].split("_", 1)[1]
-        reason = parts[2] if len(parts) > 2 else ""
-        for index in _indices(tasks):
-            out.append((index, parts[1], reason))
-    return out
-
-
 def _indices(tasks: str) -> list[int]:
     """Array indices of '3', '[2-5%2]', '0,4-6' ([] for anything else)."""
     tasks = tasks.strip("[]").split("%")[0]
