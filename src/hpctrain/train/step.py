@@ -413,6 +413,7 @@ class GraphedStep:
             raise CaptureError(f"the batch holds {', '.join(odd)}, not tensors: the graph can only take tensors as "
                                "its inputs, copied into it at each step")
         self.static = [tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, b) for b in micro]
+        self.shapes = _shapes(self.static)  # once: every step compares its batches with these
         if len(self.eager.recording) != len(micro):
             raise CaptureError("no eager step ran before the capture (train.step_mode=graphed needs its warm-up)")
         self.infos = [StaticDraws(device, r.draws) for r in self.eager.recording]
@@ -490,12 +491,7 @@ class GraphedStep:
     # -- every step --------------------------------------------------------------------------------------------
 
     def _fits(self, micro: list) -> bool:
-        shapes = [[tuple(t.shape) for t in tree_flatten(b)[0] if isinstance(t, torch.Tensor)] for b in micro]
-        return shapes == self.shapes
-
-    @property
-    def shapes(self) -> list:
-        return [[tuple(t.shape) for t in tree_flatten(b)[0] if isinstance(t, torch.Tensor)] for b in self.static]
+        return _shapes(micro) == self.shapes
 
     def _load(self, ctx, micro: list, step: int) -> None:
         for k, batch in enumerate(micro):
@@ -528,6 +524,10 @@ class GraphedStep:
         ctx.fault.heartbeat.mark("optimizer")
         loss = torch.stack(losses).mean() if len(losses) > 1 else losses[0]
         return loss, apply_gradients(ctx)
+
+
+def _shapes(batches: list) -> list:
+    return [[tuple(t.shape) for t in tree_flatten(b)[0] if isinstance(t, torch.Tensor)] for b in batches]
 
 
 def release_step(ctx) -> None:
