@@ -84,8 +84,8 @@ from hpctrain.perf.provenance import source_commit
 from hpctrain.train.ema import EMA
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is no package: the shared helpers beside us
-from throughput_common import (HpctrainLoop, allocated, device_name, gib, release, spread, sync,  # noqa: E402
-                               timed_window, warm_libraries)
+from throughput_common import (HpctrainLoop, ReplayedPlain, allocated, device_name, gib, release,  # noqa: E402
+                               spread, sync, timed_window, warm_libraries)
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPERIMENT = "ddpm_cifar10"
@@ -112,6 +112,8 @@ class Settings:
     repeats: int
     modes: tuple[str, ...]
     draw_iters: int
+    channels_last: bool = True
+    """channels_last memory format in both loops (train.channels_last for hpctrain)."""
 
     @property
     def cuda(self) -> bool:
@@ -146,7 +148,8 @@ def overrides(s: Settings, micro: int, run_dir: str, mode: str = "eager") -> lis
     out = [
         "model.source=fixture", f"model.fixture_samples={samples}",
         "data.on_device=true", "data.num_workers=0",
-        f"train.precision={'bf16' if s.cuda else 'fp32'}", "train.channels_last=true",
+        f"train.precision={'bf16' if s.cuda else 'fp32'}",
+        f"train.channels_last={'true' if s.channels_last else 'false'}",
         f"train.step_mode={step_mode}", f"train.compile={'true' if mode == 'graphed-compiled' else 'false'}",
         f"train.global_batch_size={micro}", f"train.micro_batch_size={micro}", f"train.max_steps={HUGE}",
         f"eval.every_steps={HUGE}", f"log.every_steps={HUGE}", "log.outputs_every_steps=0",
@@ -243,53 +246,29 @@ class PlainLoop:
         return counter.get_total_flops()
 
 
-class PlainGraphed:
-    """The plain loop's step captured by hand with torch.cuda.graph, as one would write it for one GPU."""
+class PlainGraphed(ReplayedPlain):
+    """The plain loop's step captured by hand (throughput_common.ReplayedPlain): forward, backward, clipping, fused
+    AdamW, EMA."""
 
     def __init__(self, plain: PlainLoop) -> None:
         from hpctrain.train.step import ema_update
 
-        self.plain, p = plain, plain
-        self.raw = p.raw
-        self.graph: torch.cuda.CUDAGraph | None = None
+        super().__init__(plain)
+        plain.autocast_cache = False
         self._ema_update = ema_update
+        # made here: a host-to-device copy during the capture would break it
+        self.weight = torch.tensor(1.0 - plain.ema.decay, device=plain.device) if plain.ema is not None else None
 
-    def warm(self, steps: int) -> None:
+    def record(self, static: list[torch.Tensor]) -> None:
         p = self.plain
-        p.autocast_cache = False
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # torch's recipe: warm-up on a side stream (handles, optimizer state)
-            p.run(max(steps, 3))
-        torch.cuda.current_stream().wait_stream(side)
-        self.static = [t.clone() for t in p.batch()]
-        opt = p.optimizer
-        # LambdaLR fills a tensor rate in place (torch >= 2.2), so the scheduler moves what the graph reads.
-        lr = torch.tensor(float(opt.param_groups[0]["lr"]), device=p.device)
-        for group in opt.param_groups:
-            group["lr"], group["capturable"] = lr, True
-        weight = torch.tensor(1.0 - p.ema.decay, device=p.device) if p.ema is not None else None
-        opt.zero_grad(set_to_none=True)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            with p.autocast():
-                loss = p.diffusion.training_losses(p.model, *self.static).mean()
-            loss.backward()
-            if p.clip > 0:
-                torch.nn.utils.clip_grad_norm_(p.raw.parameters(), p.clip, foreach=True)
-            opt.step()
-            if weight is not None:
-                self._ema_update(p.ema, p.raw, weight)
-
-    def step(self) -> None:
-        for static, fresh in zip(self.static, self.plain.batch()):
-            static.copy_(fresh)
-        self.graph.replay()
-        self.plain.scheduler.step()
-
-    def run(self, steps: int) -> None:
-        for _ in range(steps):
-            self.step()
+        with p.autocast():
+            loss = p.diffusion.training_losses(p.model, *static).mean()
+        loss.backward()
+        if p.clip > 0:
+            torch.nn.utils.clip_grad_norm_(p.raw.parameters(), p.clip, foreach=True)
+        p.optimizer.step()
+        if self.weight is not None:
+            self._ema_update(p.ema, p.raw, self.weight)
 
     def flops_per_step(self) -> int:
         return self.plain.flops_per_step()
@@ -413,7 +392,8 @@ def header(s: Settings, params: int, cfg: RunConfig) -> list[str]:
     torch_text = f"torch {torch.__version__}" + (f" (CUDA {torch.version.cuda})" if s.cuda else "")
     model = (f"U-Net {params / 1e6:.2f}M parameters (ch {o.ch}, ch_mult {tuple(o.ch_mult)}, "
              f"{o.num_res_blocks} res blocks, {o.image_size}x{o.image_size}, dropout {o.dropout:g})")
-    mode = ("bf16 autocast" if s.cuda else "fp32") + ", channels_last, modes " + ", ".join(s.modes)
+    mode = (("bf16 autocast" if s.cuda else "fp32") + (", channels_last" if s.channels_last else ", NCHW")
+            + ", modes " + ", ".join(s.modes))
     lines = [f"# DDPM throughput ({EXPERIMENT}): {device_name(s.device)} | {torch_text} | "
              f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC | commit {source_commit(ROOT) or '-'}",
              f"# {model}; {mode}; one process, micro batch = global batch; {s.steps} steps x {s.repeats} "
@@ -484,7 +464,7 @@ def settings(args: argparse.Namespace) -> Settings:
         raise SystemExit(f"--modes {args.modes!r}: choose from {', '.join(MODES)}")
     if not cuda and any(m.startswith("graphed") for m in modes):
         raise SystemExit("--modes graphed needs a CUDA device (CUDA graphs); on the CPU: --modes eager,compiled")
-    return Settings(device, micros, steps, warmup, repeats, modes, 200 if cuda else 10)
+    return Settings(device, micros, steps, warmup, repeats, modes, 200 if cuda else 10, bool(args.channels_last))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -500,6 +480,9 @@ def parser() -> argparse.ArgumentParser:
                         "the CPU); compilation and capture fall in the warm-up")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="without --modes: --modes compiled (kept for older command lines)")
+    p.add_argument("--channels-last", dest="channels_last", action=argparse.BooleanOptionalAction, default=True,
+                   help="channels_last memory format in both loops (default on; --no-channels-last measures NCHW, "
+                        "where GroupNorm needs no layout conversions)")
     p.add_argument("--json", default="", metavar="PATH", help="also write the numbers as JSON")
     return p
 

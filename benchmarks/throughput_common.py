@@ -110,3 +110,48 @@ def spread(values: list[float], fmt: str) -> str:
 
 def gib(value: int | None) -> str:
     return "-" if value is None else f"{value / 2**30:.2f}"
+
+
+class ReplayedPlain:
+    """A benchmark's plain loop with its step captured by hand with torch.cuda.graph, as one would write it for one
+    GPU: torch's recipe of eager warm-up steps on a side stream (library handles, optimizer state), each step's batch
+    made outside the graph and copied into static slots, the scheduler moving a tensor learning rate in place.
+    Subclasses give ``record(static)``: the work the graph captures. ``plain`` has batch(), run(steps), optimizer,
+    scheduler, raw and device."""
+
+    def __init__(self, plain: Any) -> None:
+        self.plain, self.raw = plain, plain.raw
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.static: list[torch.Tensor] = []
+
+    def record(self, static: list[torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def warm(self, steps: int) -> None:
+        p = self.plain
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            p.run(max(steps, 3))
+        torch.cuda.current_stream().wait_stream(side)
+        self.static = [t.clone() for t in p.batch()]
+        # LambdaLR fills a tensor rate in place (torch >= 2.2), so the scheduler moves what the graph reads.
+        lr = torch.tensor(float(p.optimizer.param_groups[0]["lr"]), device=p.device)
+        for group in p.optimizer.param_groups:
+            group["lr"] = lr
+            if "capturable" in group:
+                group["capturable"] = True
+        p.optimizer.zero_grad(set_to_none=True)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.record(self.static)
+
+    def step(self) -> None:
+        for static, fresh in zip(self.static, self.plain.batch()):
+            static.copy_(fresh)
+        self.graph.replay()
+        self.plain.scheduler.step()
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            self.step()

@@ -108,23 +108,23 @@ def test_rows_goals_and_table(bench):
     s = _settings(bench, device=torch.device("cuda", 0), name=H100, smoke=False, steps=10, repeats=2, batches=(16,),
                   backbone="resnet101", size=256, output_stride=16, aspp=256, decoder=256, e2e=("cpu", "gpu"))
     flops = 16 * 118 * 10**9
-    measured = {  # images/s: plain 2,000 and 2,000; hpctrain 1,970 and 1,990; e2e 1,700 and 1,500
+    measured = {  # images/s: plain 2,000 and 2,000; hpctrain 1,970 and 1,990; e2e 1,800 and 1,500
         "plain": _measured(bench, "plain", 16, [0.08, 0.08], 2 << 30, 1 << 30),
         "hpctrain": _measured(bench, "hpctrain", 16, [160 / 1970, 160 / 1990], 2 << 30, 1 << 30),
-        "e2e cpu-decode": _measured(bench, "e2e cpu-decode", 16, [160 / 1700, 160 / 1700]),
+        "e2e cpu-decode": _measured(bench, "e2e cpu-decode", 16, [160 / 1800, 160 / 1800]),
         "e2e gpu-decode": _measured(bench, "e2e gpu-decode", 16, [160 / 1500, 160 / 1500]),
     }
     table = bench.rows(s, [(measured, flops)])
     by = {r["loop"]: r for r in table}
     assert by["plain"]["vs"] is None and by["hpctrain"]["vs"] == pytest.approx(0.99)
-    assert by["e2e cpu-decode"]["vs"] == pytest.approx(1700 / 1980) and by["e2e gpu-decode"]["vs_what"] == "model-only"
+    assert by["e2e cpu-decode"]["vs"] == pytest.approx(1800 / 1980) and by["e2e gpu-decode"]["vs_what"] == "model-only"
     assert by["plain"]["gflop_per_image"] == pytest.approx(118) and by["plain"]["tflops_median"] == pytest.approx(236)
     assert by["plain"]["peak_memory_bytes"] == 3 << 30
 
     goal_rows = bench.goals(table)
     met = {g["goal"]: g["met"] for g in goal_rows}
     assert met == {"model-only (hpctrain) >= 2,000 images/s": False, "hpctrain >= 0.97 x plain": True,
-                   "e2e cpu-decode >= 80% of model-only": True, "e2e gpu-decode >= 80% of model-only": False}
+                   "e2e cpu-decode >= 90% of model-only": True, "e2e gpu-decode >= 90% of model-only": False}
 
     text = bench.render(s, ["# head"], table, goal_rows)
     lines = text.splitlines()
@@ -134,7 +134,7 @@ def test_rows_goals_and_table(bench):
         "0.758 of model-only |" in lines, text
     assert "| plain, batch 16 | 2,000 [2,000, 2,000] | 8.00 | 118.00 | 236 | 23.9% | 3.00 | reference |" in lines
     assert "| model-only (hpctrain) >= 2,000 images/s | missed: 1,980 |" in lines
-    assert "| e2e cpu-decode >= 80% of model-only | met: 0.859 |" in lines
+    assert "| e2e cpu-decode >= 90% of model-only | met: 0.909 |" in lines
     assert "of the H100 SXM's dense bf16 peak, 989 TFLOP/s" in text
 
 
