@@ -71,6 +71,18 @@ def test_auto_on_a_gpu_graphs_one_process_and_leaves_multi_gpu_capture_opt_in():
     assert accumulating.mode == "eager" and "accumulation is opt-in" in accumulating.reason
 
 
+def test_cudnn_benchmark_is_on_for_a_graphed_step_on_a_gpu_and_said_in_the_start_up_line():
+    graphed = choose_step_mode(_cfg(), _runtime("cuda:0"), BF16)
+    assert graphed.cudnn_benchmark and graphed.describe() == "graphed (auto: one process on CUDA), cudnn.benchmark on"
+    eager = choose_step_mode(_cfg("train.step_mode=eager"), _runtime("cuda:0"), BF16)
+    assert not eager.cudnn_benchmark and eager.describe() == "eager (asked for (train.step_mode=eager))"
+    assert choose_step_mode(_cfg("train.step_mode=eager", "train.cudnn_benchmark=on"), _runtime("cuda:0"),
+                            BF16).cudnn_benchmark
+    assert not choose_step_mode(_cfg("train.cudnn_benchmark=off"), _runtime("cuda:0"), BF16).cudnn_benchmark
+    cpu = choose_step_mode(_cfg("train.cudnn_benchmark=on"), _runtime("cpu"), Precision("fp32", None, "cpu"))
+    assert not cpu.cudnn_benchmark  # nothing to set on a CPU
+
+
 @pytest.mark.parametrize("overrides, runtime, precision, words", [
     ((), ("cuda:0",), Precision("fp16", torch.float16, "cuda"), "GradScaler"),
     (("dist.strategy=fsdp",), ("cuda:0", 2), BF16, "dist.strategy=fsdp"),

@@ -61,6 +61,12 @@ class TrainSection:
     which and why."""
     channels_last: bool = False
     """Use the channels_last memory format for 4-D inputs and weights (faster convolutions on tensor cores)."""
+    cudnn_benchmark: Literal["auto", "on", "off"] = "auto"
+    """torch.backends.cudnn.benchmark: cuDNN times its algorithms for each new convolution shape and keeps the
+    fastest. auto: on when the step is graphed (its shapes are fixed, and the search happens in the eager warm-up
+    steps before the capture), off otherwise (each new shape, such as an epoch's short last batch, would pay a
+    search); on/off: as said. The chosen algorithms can differ from run to run, so results are not bit-identical
+    across runs on GPUs with it on. No effect on CPUs."""
     sync_batchnorm: Literal["auto", "on", "off"] = "auto"
     """Batch-norm statistics over the global micro-batch (torch's SyncBatchNorm, one all-reduce per BN layer per
     forward) instead of each GPU's own. auto: on for GPU runs with more than one process and a model with batch

@@ -95,6 +95,8 @@ def build_context(
                                 zero=cfg.dist.strategy == "zero1" and runtime.distributed)
     total_steps = cfg.train.max_steps or cfg.train.epochs * sampler.steps_per_epoch
     step_choice = choose_step_mode(cfg, runtime, precision, experiment.graphable, plan.grad_accum)
+    if runtime.device.type == "cuda":  # process-wide; the convolutions' algorithms are chosen at their first call
+        torch.backends.cudnn.benchmark = step_choice.cudnn_benchmark
     if runtime.is_main and write_run_dir:
         prepare_run_dir(run_dir)
     barrier(runtime)
@@ -387,7 +389,7 @@ def _announce(ctx: TrainContext, resumed) -> None:
         ctx.sampler.steps_per_epoch,
     )
     if ctx.step_choice is not None:
-        log.info("step: %s (%s)", ctx.step_choice.mode, ctx.step_choice.reason)
+        log.info("step: %s", ctx.step_choice.describe())
     if resumed is not None:
         log.info(
             "resumed from %s at step %d (epoch %d, step %d of it), saved by %d process(es)",

@@ -25,7 +25,7 @@ import collections
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -60,6 +60,13 @@ class StepChoice:
     """Why, for the start-up line (train.step_mode=auto says what it picked and why)."""
     fallback: bool = False
     """graphed chosen by auto: a step that cannot be captured (said by hpctrain's own checks) runs eagerly."""
+    cudnn_benchmark: bool = False
+    """torch.backends.cudnn.benchmark for this run (train.cudnn_benchmark resolved; see cudnn_benchmark)."""
+
+    def describe(self) -> str:
+        """The start-up line's text."""
+        text = f"{self.mode} ({self.reason})"
+        return text + ", cudnn.benchmark on" if self.cudnn_benchmark else text
 
 
 def graph_refusal(cfg: RunConfig, runtime: Runtime, precision: Precision, graphable: bool = True) -> str | None:
@@ -92,6 +99,20 @@ def choose_step_mode(cfg: RunConfig, runtime: Runtime, precision: Precision, gra
     GPUs follows torch's recipe and capture with accumulation was fixed after its first GPU run, but neither has
     passed its GPU test yet: opt-in (train.step_mode=graphed) until they have. graphed where it cannot run: an error
     that says why."""
+    choice = _choose(cfg, runtime, precision, graphable, accum)
+    return replace(choice, cudnn_benchmark=cudnn_benchmark(cfg, runtime, choice.mode))
+
+
+def cudnn_benchmark(cfg: RunConfig, runtime: Runtime, mode: str) -> bool:
+    """train.cudnn_benchmark resolved: auto is on for a graphed step on CUDA (fixed shapes; measured on one H100
+    for DeepLabV3+ R101 at batch 96, graphed: 1,008 -> 1,106 images/s, BENCHMARKS.md), off elsewhere."""
+    if runtime.device.type != "cuda":
+        return False
+    setting = cfg.train.cudnn_benchmark
+    return setting == "on" or (setting == "auto" and mode == "graphed")
+
+
+def _choose(cfg: RunConfig, runtime: Runtime, precision: Precision, graphable: bool, accum: int) -> StepChoice:
     requested = cfg.train.step_mode
     refusal = graph_refusal(cfg, runtime, precision, graphable)
     if requested == "graphed":
