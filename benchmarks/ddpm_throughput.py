@@ -18,8 +18,8 @@ the same technique:
             buffers; fused AdamW with capturable=True and a tensor learning rate moved by the scheduler; clipping
             and the EMA, with a tensor weight, inside).
   hpctrain  hpctrain's own loop (hpctrain.train.loop.train) on hpctrain's context for ddpm_cifar10 with
-            model.source=fixture, data.on_device=true, train.precision=bf16, train.channels_last=true,
-            train.step_mode per mode (graphed-compiled: graphed with train.compile=true): its heartbeat, stop
+            model.source=fixture, data.on_device=true, train.precision=bf16, train.channels_last=true (or
+            false with --no-channels-last), train.cudnn_benchmark=off (as the plain loop), train.step_mode per mode (graphed-compiled: graphed with train.compile=true): its heartbeat, stop
             vote, BatchInfo draws, loss window, scheduler, clipping and EMA included. No validation, outputs, logging or checkpoints within the timed steps
             (eval.every_steps and log.every_steps huge, outputs off; the checkpoint a launch saves when it ends
             is replaced by a no-op). Each timed window is one call of the loop (train.stop_at_step moved on),
@@ -150,6 +150,7 @@ def overrides(s: Settings, micro: int, run_dir: str, mode: str = "eager") -> lis
         "data.on_device=true", "data.num_workers=0",
         f"train.precision={'bf16' if s.cuda else 'fp32'}",
         f"train.channels_last={'true' if s.channels_last else 'false'}",
+        "train.cudnn_benchmark=off",  # as the plain loop runs (hpctrain's auto turns it on for a graphed step)
         f"train.step_mode={step_mode}", f"train.compile={'true' if mode == 'graphed-compiled' else 'false'}",
         f"train.global_batch_size={micro}", f"train.micro_batch_size={micro}", f"train.max_steps={HUGE}",
         f"eval.every_steps={HUGE}", f"log.every_steps={HUGE}", "log.outputs_every_steps=0",

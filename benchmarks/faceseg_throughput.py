@@ -19,7 +19,8 @@ stride 16, ASPP and decoder 256 channels, 19 classes: 59.3M parameters at the de
   hpctrain      hpctrain's own loop (hpctrain.train.loop.train) on hpctrain's context for faceseg_celebamask with
                 the experiment's own train_loss (FaceSegExperiment: normalisation, channels_last, the loss over
                 labelled pixels) and parameter groups, data.on_device=true, data.augment=false, train.precision=bf16,
-                train.channels_last=true, train.compile per --compile, model.init=scratch (the weights do not change
+                train.channels_last=true, train.cudnn_benchmark as --cudnn-benchmark sets it for both loops,
+                train.compile per --compile, model.init=scratch (the weights do not change
                 the speed; the pretrained file need not be there). The experiment has no on-device source, so the
                 benchmark subclasses it with build_datasets giving a TensorDataset of tensors like the plain loop's
                 (nothing else is changed). Heartbeat, stop vote, BatchInfo, loss window and scheduler included; no
@@ -193,6 +194,8 @@ def overrides(s: Settings, batch: int, run_dir: str, path: str = "", shards: str
         f"model.backbone={s.backbone}", f"model.image_size={s.size}", f"model.output_stride={s.output_stride}",
         f"model.aspp_channels={s.aspp}", f"model.decoder_channels={s.decoder}", "model.init=scratch",
         f"train.precision={s.precision}", f"train.channels_last={'true' if s.channels_last else 'false'}",
+        # the benchmark's setting for both loops (hpctrain's auto would turn it on for a graphed step only)
+        f"train.cudnn_benchmark={'on' if s.cudnn_benchmark else 'off'}",
         f"train.compile={'true' if s.compile else 'false'}", f"train.step_mode={s.step_mode}",
         f"train.global_batch_size={batch}", f"train.micro_batch_size={batch}", f"train.max_steps={HUGE}",
         f"eval.every_steps={HUGE}", f"log.every_steps={HUGE}", "log.outputs_every_steps=0",
