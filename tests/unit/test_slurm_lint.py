@@ -413,3 +413,15 @@ def test_a_node_local_working_directory_with_the_experiment_module_is_a_warning(
     found = [f for f in lint(cfg_, spec, facts) if f.key == "experiment"]
     assert found and "the job will cd into /tmp/me and import /tmp/me/mymodule.py" in found[0].message
     assert not [f for f in lint(cfg_, spec, dataclasses.replace(facts, module_file="")) if f.key == "experiment"]
+
+
+def test_slurm_status_and_cancel_start_without_importing_torch():
+    """A preemption script or a user's `hpctrain slurm cancel` should act at once: torch's import is ~2 s of CPU here
+    (the real-Slurm preemption test once signalled its job too late on a loaded machine because of it)."""
+    import subprocess
+    import sys
+
+    code = "import sys, hpctrain.cli, hpctrain.slurm.commands; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

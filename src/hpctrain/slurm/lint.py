@@ -13,7 +13,6 @@ from typing import Literal
 
 from hpctrain.config.batch import plan_batches
 from hpctrain.config.schema import RunConfig, SlurmSection
-from hpctrain.data.shard_local import MAX_BORROWED, borrowed_share, good_shard_count
 from hpctrain.errors import UserError
 from hpctrain.filesystems import NETWORK_FS, NODE_LOCAL_FS
 from hpctrain.slurm.facts import PER_JOB_VARIABLE, Facts, NodeFacts
@@ -271,6 +270,9 @@ def _shard_local(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
     world = cfg.slurm.nodes * cfg.slurm.gpus_per_node
     if cfg.data.order != "shard_local" or not facts.train_shards:
         return []
+    # here, not at the top: data.shard_local imports torch, which `hpctrain slurm status/cancel` need not wait for
+    from hpctrain.data.shard_local import MAX_BORROWED, borrowed_share, good_shard_count
+
     share = borrowed_share(facts.train_shards, world)
     if share <= MAX_BORROWED:
         return []
