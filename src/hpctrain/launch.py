@@ -37,6 +37,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun
 
 from hpctrain.dist.env import agent_environment
+from hpctrain.dist.forked_workers import fork_refusal, forked_workers
 from hpctrain.dist.launcher import torchrun_args
 from hpctrain.fault.signals import SAME_PRESS_S
 from hpctrain.monitor.sidecars import node_monitors
@@ -250,7 +251,8 @@ def main(argv: list[str] | None = None, cfg=None) -> int:
         signal.signal(sig, _forward)
     signal.signal(signal.SIGINT, _Interrupts.handle)
     try:
-        with agent_environment(os.path.join(error_dir, "error.json")), node_monitors():  # monitors: if asked for
+        with agent_environment(os.path.join(error_dir, "error.json")), node_monitors(), \
+                forked_workers(fork_refusal() is None):  # monitors: if asked for; forks: where no CUDA is visible
             torchrun(argv)
     except ChildFailedError as err:
         return report(err, cfg if cfg is not None or not as_program else _run_config())

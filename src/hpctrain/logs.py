@@ -20,6 +20,11 @@ def recent_log_lines(n: int = 20) -> list[str]:
     return list(_RECENT)[-n:]
 
 
+def forget_recent_lines() -> None:
+    """A worker forked from the launcher starts without the launcher's lines (dist/forked_workers)."""
+    _RECENT.clear()
+
+
 def setup_logging(rank: int = 0, world_size: int = 1, hostname: str = "", debug: bool = False) -> None:
     who = f" [rank {rank}/{world_size} {hostname}]" if world_size > 1 else ""
     level = logging.DEBUG if debug else logging.INFO if rank == 0 else logging.WARNING

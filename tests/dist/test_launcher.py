@@ -62,11 +62,13 @@ def kill_leftovers(pids: list[int]) -> None:
             pass
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR2])
-def test_signal_to_the_launcher_reaches_the_workers(tmp_path: Path, sig):
+# exec: torchrun's own Popen starts the workers (as on GPU machines); auto on this CPU machine forks them from the
+# launcher (dist/forked_workers), as every other launch of this suite does.
+@pytest.mark.parametrize("sig, worker_start", [(signal.SIGTERM, "exec"), (signal.SIGUSR2, "auto")])
+def test_signal_to_the_launcher_reaches_the_workers(tmp_path: Path, sig, worker_start):
     """launcher -> torchrun wrapper -> workers. Plain torchrun would die of SIGUSR2 and orphan its workers."""
     run_dir = tmp_path / "run"
-    proc = start_long_run(run_dir)
+    proc = start_long_run(run_dir, env={"HPCTRAIN_WORKER_START": worker_start})
     try:
         wait_for_training(proc, run_dir)
         proc.send_signal(sig)
@@ -142,9 +144,10 @@ def test_signal_to_every_process_of_the_run_stops_it_with_a_checkpoint(tmp_path:
         kill_leftovers(processes_mentioning(str(run_dir)))
 
 
-def test_killed_launcher_leaves_no_orphans(tmp_path: Path):
+@pytest.mark.parametrize("worker_start", ["exec", "auto"])
+def test_killed_launcher_leaves_no_orphans(tmp_path: Path, worker_start):
     run_dir = tmp_path / "run"
-    proc = start_long_run(run_dir)
+    proc = start_long_run(run_dir, env={"HPCTRAIN_WORKER_START": worker_start})
     try:
         wait_for_training(proc, run_dir)
         assert len(processes_mentioning(str(run_dir))) >= 3  # the launcher (torchrun inside), 2 workers

@@ -1,0 +1,246 @@
+"""Workers started as forks of the launcher, which has imported torch and hpctrain already, on machines without CUDA.
+
+torchrun starts each worker with Popen: a new Python that imports torch and torch.distributed.checkpoint again,
+about 3.7 s of CPU per worker on the project's 2-core VM (BENCHMARKS.md), most of a short CPU run's start and most
+of the test suite's time. Where no CUDA device is visible, hpctrain's launcher imports the worker's modules once
+and hands torchrun a subprocess handler whose process is a fork of the launcher, made to look like the process
+torchrun's Popen would give: one pid per worker, directly under the launcher (so PR_SET_PDEATHSIG and
+dist/launcher.stop_with_launcher hold), a session of its own (torchrun signals the group), the worker's
+environment, output files and argv, default signal handling, and none of the launcher's exit handlers. The worker
+then runs `python -m hpctrain ...` in-process (cli.entry_point), as the new Python would have.
+
+Torch's own Popen stays where a fork would be unsafe or is not ours to make: with a CUDA device visible (CUDA's
+state cannot cross a fork, and the launcher may have touched it), a command that is not `python -u -m hpctrain`
+(numactl wrapping, another program), or HPCTRAIN_WORKER_START=exec. torch gives no hook for this: we replace its
+module-level handler factory for the launch (checked to exist with the signature torch 2.11 to 2.14 have, else
+torchrun's own is used and the log says nothing changed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+import weakref
+from typing import Any, Iterator
+
+WORKER_START_ENV = "HPCTRAIN_WORKER_START"
+"""auto (default): forked where no CUDA device is visible; exec: every worker a new Python (torchrun's Popen)."""
+
+# Signals whose disposition a new Python starts with: the launcher handles these (forwarding, torchrun's own).
+_DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT, signal.SIGALRM,
+                    signal.SIGCHLD)
+
+
+def fork_refusal(environ: dict[str, str] | None = None) -> str | None:
+    """Why this launch's workers must be new Pythons, or None when they can be forks of the launcher."""
+    setting = (environ if environ is not None else os.environ).get(WORKER_START_ENV, "auto").strip().lower()
+    if setting == "exec":
+        return f"{WORKER_START_ENV}=exec"
+    if setting not in ("auto", ""):
+        return f"{WORKER_START_ENV}={setting!r} is not auto or exec"
+    import torch
+
+    if torch.cuda.is_available():
+        return "a CUDA device is visible (CUDA's state cannot cross a fork)"
+    return None
+
+
+@contextlib.contextmanager
+def forked_workers(enabled: bool) -> Iterator[bool]:
+    """Within: torchrun's local workers (``python -u -m hpctrain ...``) are forks of this process; yields whether
+    the fork path is in place."""
+    api = _torch_api() if enabled else None
+    if api is None:
+        yield False
+        return
+    _preimport()
+    original = api.get_subprocess_handler
+
+    def handler(*, entrypoint: str, args: tuple, env: dict[str, str], stdout: Any, stderr: Any,
+                local_rank_id: int, numa_options: Any = None) -> Any:
+        kwargs = dict(entrypoint=entrypoint, args=args, env=env, stdout=stdout, stderr=stderr,
+                      local_rank_id=local_rank_id, numa_options=numa_options)
+        if numa_options is None and hpctrain_module_args(entrypoint, args) is not None:
+            return _forked_handler_class()(**kwargs)
+        return original(**kwargs)
+
+    api.get_subprocess_handler = handler
+    try:
+        yield True
+    finally:
+        api.get_subprocess_handler = original
+
+
+def hpctrain_module_args(entrypoint: str, args: tuple) -> list[str] | None:
+    """The arguments after ``-m hpctrain`` when torchrun's command is this Python running hpctrain, else None."""
+    head = [str(a) for a in args[:3]]
+    if os.path.realpath(entrypoint) != os.path.realpath(sys.executable) or head != ["-u", "-m", "hpctrain"]:
+        return None
+    return [str(a) for a in args[3:]]
+
+
+def _torch_api():
+    """torch's elastic multiprocessing module when it has the factory this replaces, else None."""
+    try:
+        from torch.distributed.elastic.multiprocessing import api
+        from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+    except ImportError:
+        return None
+    if not callable(getattr(api, "get_subprocess_handler", None)) or not hasattr(SubprocessHandler, "_popen"):
+        return None
+    return api
+
+
+def _preimport() -> None:
+    """What a worker imports before its first step (the training loop, DCP and through it DTensor and SymPy), done
+    once here instead of once per worker."""
+    import torch.distributed.checkpoint  # noqa: F401
+
+    import hpctrain.train.run  # noqa: F401
+
+
+def _forked_handler_class():
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+
+    class ForkedHandler(SubprocessHandler):
+        """torch's handler, with a fork of the launcher in place of its Popen (it opened the output files)."""
+
+        def _popen(self, args: tuple, env: dict[str, str]) -> "ForkedProcess":
+            module_args = hpctrain_module_args(args[0], tuple(args[1:]))
+            assert module_args is not None  # checked by forked_workers' handler
+            return ForkedProcess.start(module_args, env, self._stdout, self._stderr)
+
+    return ForkedHandler
+
+
+class ForkedProcess:
+    """What torchrun uses of a Popen (pid, returncode, poll, wait, send_signal, terminate, kill) for a forked
+    worker. Its exit status is collected by waitpid here, as Popen does for its own."""
+
+    def __init__(self, pid: int, args: list[str]) -> None:
+        self.pid = pid
+        self.args = args
+        self.returncode: int | None = None
+
+    @classmethod
+    def start(cls, module_args: list[str], env: dict[str, str], stdout: Any, stderr: Any) -> "ForkedProcess":
+        for stream in (sys.stdout, sys.stderr):  # nothing buffered here may be written twice
+            with contextlib.suppress(Exception):
+                stream.flush()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # 3.12: "multi-threaded, use of fork()": see below
+            pid = os.fork()
+        if pid == 0:
+            _become_worker(module_args, env, stdout, stderr)  # never returns
+        return cls(pid, ["python", "-u", "-m", "hpctrain", *module_args])
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped by someone else: its status is gone
+                self.returncode = 255
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.001
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _become_worker(module_args: list[str], env: dict[str, str], stdout: Any, stderr: Any) -> None:
+    """In the forked child: the state a new `python -u -m hpctrain MODULE_ARGS` would start its main() with, then
+    main() and hpctrain's own exit. Never returns into the launcher's code, whatever happens."""
+    code = 1
+    try:
+        os.setsid()  # what torchrun's Popen(start_new_session=True) gives: it signals the worker's group
+        for stream, fd in ((stdout, 1), (stderr, 2)):
+            if stream is not None:
+                os.dup2(stream.fileno(), fd)
+        _default_signals()
+        os.environ.clear()
+        os.environ.update(env)
+        _forget_launcher_state()
+        import hpctrain
+
+        sys.argv = [os.path.join(os.path.dirname(hpctrain.__file__), "__main__.py"), *module_args]
+        _threads_from_environment()
+        for stream in (sys.stdout, sys.stderr):  # python -u
+            with contextlib.suppress(Exception):
+                stream.reconfigure(write_through=True)
+        from hpctrain.cli import entry_point
+
+        entry_point()  # ends the process (process_exit.run_and_exit)
+    except SystemExit as exc:
+        from hpctrain.process_exit import exit_code_of
+
+        code = exit_code_of(exc)
+    except BaseException:  # noqa: BLE001 - a new Python would print it and exit 1
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def _default_signals() -> None:
+    """A new Python's signal handling: the launcher's handlers (forwarding, torchrun's) are not the worker's."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    for sig in _DEFAULT_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _forget_launcher_state() -> None:
+    """Exit handlers and child lists that belong to the launcher. Those a module registered when it was imported
+    (logging's flush, multiprocessing's end of its children, torch's loader flag) stay: a new Python importing the
+    same modules registers them too. The launcher's own finalizers (weakref.finalize with atexit) and its
+    multiprocessing children and finalizers are the launcher's to run, not the worker's."""
+    import multiprocessing.process
+    import multiprocessing.util
+
+    for info in list(weakref.finalize._registry.values()):  # type: ignore[attr-defined]
+        info.atexit = False
+    multiprocessing.process._children.clear()  # type: ignore[attr-defined]
+    multiprocessing.util._finalizer_registry.clear()  # type: ignore[attr-defined]
+    multiprocessing.util._run_after_forkers()  # type: ignore[attr-defined]
+    from hpctrain import logs
+
+    logs.forget_recent_lines()
+
+
+def _threads_from_environment() -> None:
+    """torch's intra-op threads as OMP_NUM_THREADS says (torchrun sets 1 for several workers): OpenMP read the
+    variable when the launcher loaded it, before torchrun set it."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    if value.isdigit() and int(value) > 0:
+        import torch
+
+        torch.set_num_threads(int(value))
