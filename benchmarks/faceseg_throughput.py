@@ -187,6 +187,14 @@ class Measured:
 
 # ---- configuration ------------------------------------------------------------------------------------------
 
+def step_mode_for(s: Settings, path: str) -> str:
+    """hpctrain's step mode for a row: the gpu-decode row's batches hold JPEG bytes, which a CUDA graph cannot take
+    as inputs, so under --step-mode graphed that row runs eagerly (compiled with --compile), as auto would."""
+    if path == "gpu" and s.step_mode == "graphed":
+        return "compiled" if s.compile else "eager"
+    return s.step_mode
+
+
 def overrides(s: Settings, batch: int, run_dir: str, path: str = "", shards: str = "") -> list[str]:
     """hpctrain's config for one batch: the batch is the global batch (one process, accumulation 1). path '' is
     model-only (data on the device), 'cpu' or 'gpu' end-to-end from ``shards``."""
@@ -196,7 +204,7 @@ def overrides(s: Settings, batch: int, run_dir: str, path: str = "", shards: str
         f"train.precision={s.precision}", f"train.channels_last={'true' if s.channels_last else 'false'}",
         # the benchmark's setting for both loops (hpctrain's auto would turn it on for a graphed step only)
         f"train.cudnn_benchmark={'on' if s.cudnn_benchmark else 'off'}",
-        f"train.compile={'true' if s.compile else 'false'}", f"train.step_mode={s.step_mode}",
+        f"train.compile={'true' if s.compile else 'false'}", f"train.step_mode={step_mode_for(s, path)}",
         f"train.global_batch_size={batch}", f"train.micro_batch_size={batch}", f"train.max_steps={HUGE}",
         f"eval.every_steps={HUGE}", f"log.every_steps={HUGE}", "log.outputs_every_steps=0",
         "log.outputs_every_epochs=0", "log.progress=off", "log.tensorboard=false", "log.plots=false",
@@ -598,6 +606,9 @@ def header(s: Settings, params: int, data: dict[str, Any] | None) -> list[str]:
         lines.insert(0, f"# {'CPU ' if not s.cuda else ''}SMOKE TEST: a small model, "
                         f"{'fp32' if not s.cuda else 'bf16'}, a handful of steps; these numbers say nothing about "
                         "GPU throughput at the reference configuration")
+    if data is not None and "gpu" in s.e2e and s.step_mode == "graphed":
+        lines.append(f"# e2e gpu-decode runs step mode {step_mode_for(s, 'gpu')}: its batches hold JPEG bytes, which a "
+                     "CUDA graph cannot take")
     if data is not None and "gpu" in s.e2e and not s.cuda:
         lines.append("# e2e gpu-decode without CUDA: torchvision decodes the JPEGs on the CPU (the path runs; its "
                      "speed means nothing)")

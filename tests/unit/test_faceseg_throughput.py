@@ -100,6 +100,15 @@ def test_settings_defaults_and_reference(bench):
             bench.settings(bench.parser().parse_args(["--device", "cpu", *bad]))
 
 
+def test_the_nvjpeg_row_runs_eagerly_under_graphed_and_the_settings_reach_hpctrain(bench):
+    graphed = _settings(bench, step_mode="graphed", channels_last=False, cudnn_benchmark=True)
+    assert bench.step_mode_for(graphed, "gpu") == "eager"  # its batches hold JPEG bytes: no graph can take them
+    assert bench.step_mode_for(graphed, "cpu") == bench.step_mode_for(graphed, "") == "graphed"
+    assert bench.step_mode_for(dataclasses.replace(graphed, compile=True), "gpu") == "compiled"
+    config = bench.overrides(graphed, 16, "/tmp/x", "gpu", "/tmp/shards")
+    assert {"train.step_mode=eager", "train.channels_last=false", "train.cudnn_benchmark=on"} <= set(config)
+
+
 def _measured(bench, name: str, batch: int, seconds: list[float], resident: int = 0, transient: int = 0):
     return bench.Measured(name, batch, seconds, resident, transient)
 

@@ -56,9 +56,8 @@ class TrainSection:
     torch.compile (train.compile=true is the same). graphed: the whole step (forward, backward, gradient sync,
     clipping, optimizer, EMA) captured once as a CUDA graph and replayed: one launch per step instead of thousands;
     GPUs only, bf16 or fp32, one process or DDP over NCCL; with train.compile=true the compiled kernels are what is
-    captured. auto: graphed for one process on a GPU without gradient accumulation (several GPUs, or accumulation:
-    opt-in until their GPU tests have run), else compiled with train.compile=true, else eager; the start-up line says
-    which and why."""
+    captured. auto: graphed for one process on a GPU (several GPUs: opt-in until capture under DDP has run on several
+    GPUs), else compiled with train.compile=true, else eager; the start-up line says which and why."""
     channels_last: bool = False
     """Use the channels_last memory format for 4-D inputs and weights (faster convolutions on tensor cores)."""
     cudnn_benchmark: Literal["auto", "on", "off"] = "auto"

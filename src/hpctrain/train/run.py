@@ -94,7 +94,7 @@ def build_context(
     optimizer = build_optimizer(raw, cfg.optim, fused=runtime.device.type == "cuda", groups=experiment.param_groups(raw),
                                 zero=cfg.dist.strategy == "zero1" and runtime.distributed)
     total_steps = cfg.train.max_steps or cfg.train.epochs * sampler.steps_per_epoch
-    step_choice = choose_step_mode(cfg, runtime, precision, experiment.graphable, plan.grad_accum)
+    step_choice = choose_step_mode(cfg, runtime, precision, experiment.graphable)
     if runtime.device.type == "cuda":  # process-wide; the convolutions' algorithms are chosen at their first call
         torch.backends.cudnn.benchmark = step_choice.cudnn_benchmark
     if runtime.is_main and write_run_dir:

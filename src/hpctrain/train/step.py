@@ -92,14 +92,13 @@ def graph_refusal(cfg: RunConfig, runtime: Runtime, precision: Precision, grapha
     return None
 
 
-def choose_step_mode(cfg: RunConfig, runtime: Runtime, precision: Precision, graphable: bool = True,
-                     accum: int = 1) -> StepChoice:
+def choose_step_mode(cfg: RunConfig, runtime: Runtime, precision: Precision, graphable: bool = True) -> StepChoice:
     """train.step_mode resolved on this rank's device. auto: graphed on CUDA where the run allows it, in one process
-    without gradient accumulation; else compiled when train.compile=true, else eager. Capture under DDP over several
-    GPUs follows torch's recipe and capture with accumulation was fixed after its first GPU run, but neither has
-    passed its GPU test yet: opt-in (train.step_mode=graphed) until they have. graphed where it cannot run: an error
-    that says why."""
-    choice = _choose(cfg, runtime, precision, graphable, accum)
+    (with or without gradient accumulation: its GPU test passed on an H100, 2026-11-27); else compiled when
+    train.compile=true, else eager. Capture under DDP over several GPUs follows torch's recipe but has not run on
+    several GPUs yet: opt-in (train.step_mode=graphed) until it has. graphed where it cannot run: an error that says
+    why."""
+    choice = _choose(cfg, runtime, precision, graphable)
     return replace(choice, cudnn_benchmark=cudnn_benchmark(cfg, runtime, choice.mode))
 
 
@@ -112,7 +111,7 @@ def cudnn_benchmark(cfg: RunConfig, runtime: Runtime, mode: str) -> bool:
     return setting == "on" or (setting == "auto" and mode == "graphed")
 
 
-def _choose(cfg: RunConfig, runtime: Runtime, precision: Precision, graphable: bool, accum: int) -> StepChoice:
+def _choose(cfg: RunConfig, runtime: Runtime, precision: Precision, graphable: bool) -> StepChoice:
     requested = cfg.train.step_mode
     refusal = graph_refusal(cfg, runtime, precision, graphable)
     if requested == "graphed":
@@ -121,11 +120,10 @@ def _choose(cfg: RunConfig, runtime: Runtime, precision: Precision, graphable: b
                             "use train.step_mode=auto (graphed where it can run, eager elsewhere) or eager.")
         return StepChoice("graphed", "asked for (train.step_mode=graphed)")
     if requested == "auto":
-        if refusal is None and not runtime.distributed and accum == 1:
+        if refusal is None and not runtime.distributed:
             return StepChoice("graphed", "auto: one process on CUDA", fallback=True)
         if refusal is None:
-            refusal = ("capture under DDP over several GPUs is opt-in (train.step_mode=graphed)" if runtime.distributed
-                       else "capture with gradient accumulation is opt-in (train.step_mode=graphed)")
+            refusal = "capture under DDP over several GPUs is opt-in (train.step_mode=graphed)"
         other = "compiled" if cfg.train.compile else "eager"
         return StepChoice(other, f"auto: not graphed, {refusal}")
     return StepChoice(requested, f"asked for (train.step_mode={requested})")
