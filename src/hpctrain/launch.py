@@ -245,6 +245,10 @@ def main(argv: list[str] | None = None, cfg=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not any(a.startswith(("--signals-to-handle", "--signals_to_handle")) for a in argv):
         argv.insert(0, "--signals-to-handle=SIGQUIT")
+    if not any(a.startswith(("--log-dir", "--log_dir")) for a in argv):
+        # torchrun's default is a new /tmp/torchelastic_* folder per launch that nothing removes; this one goes
+        # with error_dir when the launch ends
+        argv.insert(0, f"--log-dir={os.path.join(error_dir, 'torchelastic')}")
     _Interrupts.count, _Interrupts.first_at = 0, 0.0  # a launch's presses are its own
     previous = {sig: signal.getsignal(sig) for sig in (*FORWARDED, signal.SIGINT, signal.SIGQUIT, signal.SIGALRM)}
     for sig in FORWARDED:
