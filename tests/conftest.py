@@ -14,7 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.proctree import descendants, kill_tree  # noqa: F401 (descendants: imported by tests)
+# One intra-op thread in every process of the suite (the pytest workers and every run they launch; torchrun sets the
+# same for several ranks), unless the developer set their own: two pytest workers already keep both cores of a CI VM
+# busy, and OpenMP's threads spin-waiting for a descheduled sibling made in-process steps 10-20x slower under load
+# (tests/unit/test_step_modes.py: 2.6 s alone, 29-61 s in the suite). Set before torch is imported (OpenMP reads it
+# when it loads).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from hpctrain.proctree import descendants, kill_tree  # noqa: E402, F401 (descendants: imported by tests)
 
 TESTS = Path(__file__).resolve().parent
 

@@ -255,8 +255,9 @@ def main(argv: list[str] | None = None, cfg=None) -> int:
         signal.signal(sig, _forward)
     signal.signal(signal.SIGINT, _Interrupts.handle)
     try:
+        # monitors: if asked for; workers forked from this process where no CUDA device is visible
         with agent_environment(os.path.join(error_dir, "error.json")), node_monitors(), \
-                forked_workers(fork_refusal() is None):  # monitors: if asked for; forks: where no CUDA is visible
+                forked_workers(fork_refusal() is None, _worker_entry, WORKER_IMPORTS):
             torchrun(argv)
     except ChildFailedError as err:
         return report(err, cfg if cfg is not None or not as_program else _run_config())
@@ -264,6 +265,18 @@ def main(argv: list[str] | None = None, cfg=None) -> int:
         shutil.rmtree(error_dir, ignore_errors=True)
         _restore_handlers(previous)
     return 0
+
+
+# What a worker imports before its first step (the training loop; DCP and through it DTensor and SymPy): imported
+# once in the launcher when the workers are its forks (dist/forked_workers).
+WORKER_IMPORTS = ("torch.distributed.checkpoint", "hpctrain.train.run")
+
+
+def _worker_entry() -> None:
+    """`python -m hpctrain` in a forked worker."""
+    from hpctrain.cli import entry_point
+
+    entry_point()
 
 
 def _restore_handlers(previous: dict) -> None:

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-import hpctrain.cli
 from hpctrain.dist import forked_workers as fw
 
 
@@ -41,10 +40,10 @@ def test_the_factory_is_replaced_only_within_the_launch():
     from torch.distributed.elastic.multiprocessing import api
 
     original = api.get_subprocess_handler
-    with fw.forked_workers(True) as active:
+    with fw.forked_workers(True, lambda: None, ("json",)) as active:
         assert active and api.get_subprocess_handler is not original
     assert api.get_subprocess_handler is original
-    with fw.forked_workers(False) as active:
+    with fw.forked_workers(False, lambda: None) as active:
         assert not active and api.get_subprocess_handler is original
 
 
@@ -70,17 +69,16 @@ def _record_state(path: str, code: int):
     return entry_point
 
 
-def test_a_forked_worker_starts_as_a_new_python_would_and_its_exit_status_comes_back(tmp_path, monkeypatch):
+def test_a_forked_worker_starts_as_a_new_python_would_and_its_exit_status_comes_back(tmp_path):
     state, out = tmp_path / "state.json", tmp_path / "out.txt"
     # The launcher's state a worker must not inherit: handlers of forwarded signals, an exit-time finalizer.
     previous = signal.signal(signal.SIGUSR2, lambda *_: None)
     launcher_dir = tempfile.mkdtemp(dir=tmp_path)
     finalizer = weakref.finalize(fw, os.rmdir, launcher_dir)  # fw (a module) lives on: only atexit would run it
-    monkeypatch.setattr(hpctrain.cli, "entry_point", _record_state(str(state), 3))
     try:
         with open(out, "w") as stdout:
             proc = fw.ForkedProcess.start(["train", "digits", "x=1"], {"ONLY": "this", "OMP_NUM_THREADS": "1"},
-                                          stdout, None)
+                                          stdout, None, _record_state(str(state), 3))
             assert proc.wait(timeout=60) == 3 and proc.poll() == 3 and proc.returncode == 3
     finally:
         signal.signal(signal.SIGUSR2, previous)
@@ -93,10 +91,9 @@ def test_a_forked_worker_starts_as_a_new_python_would_and_its_exit_status_comes_
     assert os.path.isdir(launcher_dir)  # the launcher's finalizer did not run in the worker
 
 
-def test_a_forked_worker_killed_by_a_signal_reports_it_as_popen_does(tmp_path, monkeypatch):
+def test_a_forked_worker_killed_by_a_signal_reports_it_as_popen_does(tmp_path):
     state = tmp_path / "state.json"
-    monkeypatch.setattr(hpctrain.cli, "entry_point", _record_state(str(state), -1))
-    proc = fw.ForkedProcess.start(["train"], {}, None, None)
+    proc = fw.ForkedProcess.start(["train"], {}, None, None, _record_state(str(state), -1))
     try:
         for _ in range(600):
             if state.exists():

@@ -7,7 +7,8 @@ and hands torchrun a subprocess handler whose process is a fork of the launcher,
 torchrun's Popen would give: one pid per worker, directly under the launcher (so PR_SET_PDEATHSIG and
 dist/launcher.stop_with_launcher hold), a session of its own (torchrun signals the group), the worker's
 environment, output files and argv, default signal handling, and none of the launcher's exit handlers. The worker
-then runs `python -m hpctrain ...` in-process (cli.entry_point), as the new Python would have.
+then runs `python -m hpctrain ...` in-process (the entry point the launcher passes: cli.entry_point), as the new
+Python would have.
 
 Torch's own Popen stays where a fork would be unsafe or is not ours to make: with a CUDA device visible (CUDA's
 state cannot cross a fork, and the launcher may have touched it), a command that is not `python -u -m hpctrain`
@@ -19,6 +20,7 @@ torchrun's own is used and the log says nothing changed).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import signal
 import subprocess
@@ -26,7 +28,7 @@ import sys
 import time
 import warnings
 import weakref
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 WORKER_START_ENV = "HPCTRAIN_WORKER_START"
 """auto (default): forked where no CUDA device is visible; exec: every worker a new Python (torchrun's Popen)."""
@@ -51,14 +53,16 @@ def fork_refusal(environ: dict[str, str] | None = None) -> str | None:
 
 
 @contextlib.contextmanager
-def forked_workers(enabled: bool) -> Iterator[bool]:
-    """Within: torchrun's local workers (``python -u -m hpctrain ...``) are forks of this process; yields whether
-    the fork path is in place."""
+def forked_workers(enabled: bool, entry: Callable[[], Any], preimport: Sequence[str] = ()) -> Iterator[bool]:
+    """Within: torchrun's local workers (``python -u -m hpctrain ...``) are forks of this process that call
+    ``entry`` (what ``python -m hpctrain`` runs; it reads sys.argv and ends the process) after importing the modules
+    ``preimport`` names here, once for all of them. Yields whether the fork path is in place."""
     api = _torch_api() if enabled else None
     if api is None:
         yield False
         return
-    _preimport()
+    for name in preimport:
+        importlib.import_module(name)
     original = api.get_subprocess_handler
 
     def handler(*, entrypoint: str, args: tuple, env: dict[str, str], stdout: Any, stderr: Any,
@@ -66,7 +70,7 @@ def forked_workers(enabled: bool) -> Iterator[bool]:
         kwargs = dict(entrypoint=entrypoint, args=args, env=env, stdout=stdout, stderr=stderr,
                       local_rank_id=local_rank_id, numa_options=numa_options)
         if numa_options is None and hpctrain_module_args(entrypoint, args) is not None:
-            return _forked_handler_class()(**kwargs)
+            return _forked_handler_class(entry)(**kwargs)
         return original(**kwargs)
 
     api.get_subprocess_handler = handler
@@ -96,15 +100,7 @@ def _torch_api():
     return api
 
 
-def _preimport() -> None:
-    """What a worker imports before its first step (the training loop, DCP and through it DTensor and SymPy), done
-    once here instead of once per worker."""
-    import torch.distributed.checkpoint  # noqa: F401
-
-    import hpctrain.train.run  # noqa: F401
-
-
-def _forked_handler_class():
+def _forked_handler_class(entry: Callable[[], Any]):
     from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
     class ForkedHandler(SubprocessHandler):
@@ -113,7 +109,7 @@ def _forked_handler_class():
         def _popen(self, args: tuple, env: dict[str, str]) -> "ForkedProcess":
             module_args = hpctrain_module_args(args[0], tuple(args[1:]))
             assert module_args is not None  # checked by forked_workers' handler
-            return ForkedProcess.start(module_args, env, self._stdout, self._stderr)
+            return ForkedProcess.start(module_args, env, self._stdout, self._stderr, entry)
 
     return ForkedHandler
 
@@ -128,7 +124,8 @@ class ForkedProcess:
         self.returncode: int | None = None
 
     @classmethod
-    def start(cls, module_args: list[str], env: dict[str, str], stdout: Any, stderr: Any) -> "ForkedProcess":
+    def start(cls, module_args: list[str], env: dict[str, str], stdout: Any, stderr: Any,
+              entry: Callable[[], Any]) -> "ForkedProcess":
         for stream in (sys.stdout, sys.stderr):  # nothing buffered here may be written twice
             with contextlib.suppress(Exception):
                 stream.flush()
@@ -136,7 +133,7 @@ class ForkedProcess:
             warnings.simplefilter("ignore", DeprecationWarning)  # 3.12: "multi-threaded, use of fork()": see below
             pid = os.fork()
         if pid == 0:
-            _become_worker(module_args, env, stdout, stderr)  # never returns
+            _become_worker(module_args, env, stdout, stderr, entry)  # never returns
         return cls(pid, ["python", "-u", "-m", "hpctrain", *module_args])
 
     def poll(self) -> int | None:
@@ -172,7 +169,8 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
-def _become_worker(module_args: list[str], env: dict[str, str], stdout: Any, stderr: Any) -> None:
+def _become_worker(module_args: list[str], env: dict[str, str], stdout: Any, stderr: Any,
+                   entry: Callable[[], Any]) -> None:
     """In the forked child: the state a new `python -u -m hpctrain MODULE_ARGS` would start its main() with, then
     main() and hpctrain's own exit. Never returns into the launcher's code, whatever happens."""
     code = 1
@@ -192,9 +190,7 @@ def _become_worker(module_args: list[str], env: dict[str, str], stdout: Any, std
         for stream in (sys.stdout, sys.stderr):  # python -u
             with contextlib.suppress(Exception):
                 stream.reconfigure(write_through=True)
-        from hpctrain.cli import entry_point
-
-        entry_point()  # ends the process (process_exit.run_and_exit)
+        entry()  # ends the process (cli.entry_point: process_exit.run_and_exit)
     except SystemExit as exc:
         from hpctrain.process_exit import exit_code_of
 
