@@ -435,8 +435,9 @@ class PlainGraphed(ReplayedPlain):
     def __init__(self, plain: PlainLoop) -> None:
         super().__init__(plain)
         plain.autocast_cache = False
-        g = plain.optimizer.param_groups[0]
-        plain.optimizer = torch.optim.SGD(plain.raw.parameters(), lr=g["lr"], momentum=g["momentum"],
+        # made before the loop's first step (flops_per_step takes none): the peak rate, as the eager loop's was
+        g, peak = plain.optimizer.param_groups[0], plain.scheduler.base_lrs[0]
+        plain.optimizer = torch.optim.SGD(plain.raw.parameters(), lr=peak, momentum=g["momentum"],
                                           nesterov=g["nesterov"], weight_decay=g["weight_decay"], fused=True)
         plain.scheduler = LambdaLR(plain.optimizer, plain.scheduler.lr_lambdas[0])
 

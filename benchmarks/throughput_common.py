@@ -135,10 +135,10 @@ class ReplayedPlain:
             p.run(max(steps, 3))
         torch.cuda.current_stream().wait_stream(side)
         self.static = [t.clone() for t in p.batch()]
-        # LambdaLR fills a tensor rate in place (torch >= 2.2), so the scheduler moves what the graph reads.
-        lr = torch.tensor(float(p.optimizer.param_groups[0]["lr"]), device=p.device)
+        # LambdaLR fills a tensor rate in place (torch >= 2.2), so the scheduler moves what the graph reads; one
+        # tensor per group (each group's rate is its own).
         for group in p.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = torch.tensor(float(group["lr"]), device=p.device)
             if "capturable" in group:
                 group["capturable"] = True
         p.optimizer.zero_grad(set_to_none=True)

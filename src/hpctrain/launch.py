@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None, cfg=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not any(a.startswith(("--signals-to-handle", "--signals_to_handle")) for a in argv):
         argv.insert(0, "--signals-to-handle=SIGQUIT")
-    if not any(a.startswith(("--log-dir", "--log_dir")) for a in argv):
+    if not _keeps_worker_logs(argv):
         # torchrun's default is a new /tmp/torchelastic_* folder per launch that nothing removes; this one goes
         # with error_dir when the launch ends
         argv.insert(0, f"--log-dir={os.path.join(error_dir, 'torchelastic')}")
@@ -265,6 +265,15 @@ def main(argv: list[str] | None = None, cfg=None) -> int:
         shutil.rmtree(error_dir, ignore_errors=True)
         _restore_handlers(previous)
     return 0
+
+
+def _keeps_worker_logs(argv: Sequence[str]) -> bool:
+    """Whether torchrun is told where its logs go or to write the workers' output to files (flags or PET_*
+    variables): then its log folder is the user's, not a temporary one."""
+    own = list(argv[:argv.index("-m")] if "-m" in argv else argv)  # torchrun's, not the program's
+    flags = ("--log-dir", "--log_dir", "--redirects", "-r", "--tee", "-t")
+    given = any(a == f or a.startswith(f + "=") or (len(f) == 2 and a.startswith(f)) for a in own for f in flags)
+    return given or any(os.environ.get(v) for v in ("PET_LOG_DIR", "PET_REDIRECTS", "PET_TEE"))
 
 
 # What a worker imports before its first step (the training loop; DCP and through it DTensor and SymPy): imported

@@ -71,6 +71,11 @@ def test_signal_to_the_launcher_reaches_the_workers(tmp_path: Path, sig, worker_
     proc = start_long_run(run_dir, env={"HPCTRAIN_WORKER_START": worker_start})
     try:
         wait_for_training(proc, run_dir)
+        # which path started the ranks: a fork shows the launcher's command line, torchrun's Popen its own
+        ranks = [p for p in descendants(proc.pid) if parent(p) == proc.pid]
+        forked = [p for p in ranks if cmdline(p) == cmdline(proc.pid)]
+        execed = [p for p in ranks if " -u -m hpctrain train" in cmdline(p)]
+        assert (len(forked), len(execed)) == ((2, 0) if worker_start == "auto" else (0, 2)), [cmdline(p) for p in ranks]
         proc.send_signal(sig)
         code = proc.wait(timeout=60)
         output = proc.stdout.read()

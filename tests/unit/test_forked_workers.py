@@ -47,6 +47,10 @@ def test_the_factory_is_replaced_only_within_the_launch():
         assert not active and api.get_subprocess_handler is original
 
 
+# What the launcher handles (hpctrain's forwarding, torchrun's --signals-to-handle) and the workers must not.
+LAUNCHER_HANDLES = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT, signal.SIGXCPU)
+
+
 def _record_state(path: str, code: int):
     """The worker's main() stand-in: writes what it finds, then exits with ``code`` (or waits for a signal)."""
 
@@ -54,8 +58,7 @@ def _record_state(path: str, code: int):
         Path(path).write_text(json.dumps({
             "pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0), "pgid": os.getpgid(0),
             "env": dict(os.environ), "argv": sys.argv[1:],
-            "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
-            "sigusr2_default": signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL,
+            "defaults": [signal.getsignal(s) == signal.SIG_DFL for s in LAUNCHER_HANDLES],
             "sigint_python": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
             "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
         }))
@@ -71,8 +74,9 @@ def _record_state(path: str, code: int):
 
 def test_a_forked_worker_starts_as_a_new_python_would_and_its_exit_status_comes_back(tmp_path):
     state, out = tmp_path / "state.json", tmp_path / "out.txt"
-    # The launcher's state a worker must not inherit: handlers of forwarded signals, an exit-time finalizer.
-    previous = signal.signal(signal.SIGUSR2, lambda *_: None)
+    # The launcher's state a worker must not inherit: its signal handlers and mask, an exit-time finalizer.
+    previous = {s: signal.signal(s, lambda *_: None) for s in (*LAUNCHER_HANDLES, signal.SIGINT)}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
     launcher_dir = tempfile.mkdtemp(dir=tmp_path)
     finalizer = weakref.finalize(fw, os.rmdir, launcher_dir)  # fw (a module) lives on: only atexit would run it
     try:
@@ -81,12 +85,15 @@ def test_a_forked_worker_starts_as_a_new_python_would_and_its_exit_status_comes_
                                           stdout, None, _record_state(str(state), 3))
             assert proc.wait(timeout=60) == 3 and proc.poll() == 3 and proc.returncode == 3
     finally:
-        signal.signal(signal.SIGUSR2, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
         finalizer.detach()
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == mask  # the launcher's own mask is back
     got = json.loads(state.read_text())
     assert got["ppid"] == os.getpid() and got["sid"] == got["pid"] == got["pgid"]  # its own session, our child
     assert got["env"] == {"ONLY": "this", "OMP_NUM_THREADS": "1"} and got["argv"] == ["train", "digits", "x=1"]
-    assert got["sigterm_default"] and got["sigusr2_default"] and got["sigint_python"] and got["blocked"] == []
+    assert all(got["defaults"]) and got["sigint_python"] and got["blocked"] == []
     assert out.read_text() == "worker says hi\n"
     assert os.path.isdir(launcher_dir)  # the launcher's finalizer did not run in the worker
 
@@ -107,5 +114,21 @@ def test_a_forked_worker_killed_by_a_signal_reports_it_as_popen_does(tmp_path):
         proc.kill()  # a finished process: nothing happens
     finally:
         if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+
+
+def test_a_signal_to_the_workers_group_the_moment_it_exists_meets_the_workers_own_handling(tmp_path):
+    """torchrun may killpg a worker right after starting it (a rank failed at once), and the launcher forwards signals
+    to every child it finds in /proc: the child's group must exist when start() returns, and the launcher's
+    handler (here one that ignores SIGTERM) must not be what the child runs."""
+    previous, proc = signal.signal(signal.SIGTERM, lambda *_: None), None
+    try:
+        proc = fw.ForkedProcess.start(["train"], {}, None, None, _record_state(str(tmp_path / "s.json"), -1))
+        os.killpg(proc.pid, signal.SIGTERM)  # ProcessLookupError if its setsid had not happened yet
+        assert proc.wait(timeout=60) == -signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if proc is not None and proc.poll() is None:  # a failed test leaves no paused child holding pytest's output
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=60)

@@ -14,7 +14,7 @@ Torch's own Popen stays where a fork would be unsafe or is not ours to make: wit
 state cannot cross a fork, and the launcher may have touched it), a command that is not `python -u -m hpctrain`
 (numactl wrapping, another program), or HPCTRAIN_WORKER_START=exec. torch gives no hook for this: we replace its
 module-level handler factory for the launch (checked to exist with the signature torch 2.11 to 2.14 have, else
-torchrun's own is used and the log says nothing changed).
+torchrun's own is used and the launcher says so).
 """
 
 from __future__ import annotations
@@ -32,11 +32,6 @@ from typing import Any, Callable, Iterator, Sequence
 
 WORKER_START_ENV = "HPCTRAIN_WORKER_START"
 """auto (default): forked where no CUDA device is visible; exec: every worker a new Python (torchrun's Popen)."""
-
-# Signals whose disposition a new Python starts with: the launcher handles these (forwarding, torchrun's own).
-_DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT, signal.SIGALRM,
-                    signal.SIGCHLD)
-
 
 def fork_refusal(environ: dict[str, str] | None = None) -> str | None:
     """Why this launch's workers must be new Pythons, or None when they can be forks of the launcher."""
@@ -59,6 +54,9 @@ def forked_workers(enabled: bool, entry: Callable[[], Any], preimport: Sequence[
     ``preimport`` names here, once for all of them. Yields whether the fork path is in place."""
     api = _torch_api() if enabled else None
     if api is None:
+        if enabled:
+            print("hpctrain: this torch's torchrun has no subprocess handler factory hpctrain knows how to replace; "
+                  "its workers start as new Pythons", file=sys.stderr)
         yield False
         return
     for name in preimport:
@@ -70,7 +68,10 @@ def forked_workers(enabled: bool, entry: Callable[[], Any], preimport: Sequence[
         kwargs = dict(entrypoint=entrypoint, args=args, env=env, stdout=stdout, stderr=stderr,
                       local_rank_id=local_rank_id, numa_options=numa_options)
         if numa_options is None and hpctrain_module_args(entrypoint, args) is not None:
-            return _forked_handler_class(entry)(**kwargs)
+            try:
+                return _forked_handler_class(entry)(**kwargs)
+            except OSError as err:  # fork refused (strict overcommit, process limit): Popen may still work
+                print(f"hpctrain: could not fork a worker ({err}); starting it as a new Python", file=sys.stderr)
         return original(**kwargs)
 
     api.get_subprocess_handler = handler
@@ -83,7 +84,8 @@ def forked_workers(enabled: bool, entry: Callable[[], Any], preimport: Sequence[
 def hpctrain_module_args(entrypoint: str, args: tuple) -> list[str] | None:
     """The arguments after ``-m hpctrain`` when torchrun's command is this Python running hpctrain, else None."""
     head = [str(a) for a in args[:3]]
-    if os.path.realpath(entrypoint) != os.path.realpath(sys.executable) or head != ["-u", "-m", "hpctrain"]:
+    # abspath, not realpath: two venvs' pythons are links to one binary, with other site-packages (PYTHON_EXEC)
+    if os.path.abspath(entrypoint) != os.path.abspath(sys.executable) or head != ["-u", "-m", "hpctrain"]:
         return None
     return [str(a) for a in args[3:]]
 
@@ -109,7 +111,8 @@ def _forked_handler_class(entry: Callable[[], Any]):
         def _popen(self, args: tuple, env: dict[str, str]) -> "ForkedProcess":
             module_args = hpctrain_module_args(args[0], tuple(args[1:]))
             assert module_args is not None  # checked by forked_workers' handler
-            return ForkedProcess.start(module_args, env, self._stdout, self._stderr, entry)
+            return ForkedProcess.start(module_args, env, getattr(self, "_stdout", None), getattr(self, "_stderr", None),
+                                       entry)
 
     return ForkedHandler
 
@@ -126,14 +129,35 @@ class ForkedProcess:
     @classmethod
     def start(cls, module_args: list[str], env: dict[str, str], stdout: Any, stderr: Any,
               entry: Callable[[], Any]) -> "ForkedProcess":
-        for stream in (sys.stdout, sys.stderr):  # nothing buffered here may be written twice
-            with contextlib.suppress(Exception):
-                stream.flush()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # 3.12: "multi-threaded, use of fork()": see below
-            pid = os.fork()
-        if pid == 0:
-            _become_worker(module_args, env, stdout, stderr, entry)  # never returns
+        _flush_everything()  # nothing buffered here may be written twice
+        # Signals stay blocked from before the fork until the child has its own session and default handlers: a
+        # signal the launcher forwards (it finds the new pid in /proc at once) must not run the launcher's handlers
+        # in the child, and torchrun's killpg(pid) needs the child's group to exist when start() returns (Popen
+        # returns after the exec). The child closes ``ready`` when it is there.
+        ready_r, ready_w = os.pipe()
+        filters = list(warnings.filters)
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        pid = -1
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: "multi-threaded, use of fork()"
+                pid = os.fork()
+            if pid == 0:
+                try:
+                    os.close(ready_r)
+                    warnings.filters[:] = filters
+                finally:
+                    _become_worker(module_args, env, stdout, stderr, entry, ready_w)  # never returns
+        finally:
+            if pid != 0:  # the launcher (or a failed fork)
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+                os.close(ready_w)
+                if pid < 0:
+                    os.close(ready_r)
+        try:
+            os.read(ready_r, 1)  # b"" when the child closed it (or died before)
+        finally:
+            os.close(ready_r)
         return cls(pid, ["python", "-u", "-m", "hpctrain", *module_args])
 
     def poll(self) -> int | None:
@@ -170,16 +194,18 @@ class ForkedProcess:
 
 
 def _become_worker(module_args: list[str], env: dict[str, str], stdout: Any, stderr: Any,
-                   entry: Callable[[], Any]) -> None:
-    """In the forked child: the state a new `python -u -m hpctrain MODULE_ARGS` would start its main() with, then
-    main() and hpctrain's own exit. Never returns into the launcher's code, whatever happens."""
+                   entry: Callable[[], Any], ready: int) -> None:
+    """In the forked child (every signal blocked): the state a new `python -u -m hpctrain MODULE_ARGS` would start
+    its main() with, then main() and hpctrain's own exit. Never returns into the launcher's code, whatever happens."""
     code = 1
     try:
         os.setsid()  # what torchrun's Popen(start_new_session=True) gives: it signals the worker's group
+        _default_signals()
+        os.close(ready)  # the launcher's start() returns: our group exists, its handlers are gone
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])  # a signal sent meanwhile is delivered now, to us
         for stream, fd in ((stdout, 1), (stderr, 2)):
             if stream is not None:
                 os.dup2(stream.fileno(), fd)
-        _default_signals()
         os.environ.clear()
         os.environ.update(env)
         _forget_launcher_state()
@@ -200,17 +226,37 @@ def _become_worker(module_args: list[str], env: dict[str, str], stdout: Any, std
 
         traceback.print_exc()
     finally:
-        with contextlib.suppress(Exception):
+        # no signal may raise here and unwind into the launcher's code (torchrun's loop, launch.main's clean-up)
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        with contextlib.suppress(BaseException):
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
 
 
+def _flush_everything() -> None:
+    """Python's and C's output buffers, and the launcher's objects: a fork copies them all, and a worker that
+    flushed or collected them would write the launcher's output again or finalise the launcher's garbage. gc.freeze
+    (Python's advice before a fork, and cheaper than a collection: 0.3 s here) puts every object alive now out of the
+    collector's reach, in the launcher and its workers alike."""
+    import ctypes
+    import gc
+
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).fflush(None)
+    gc.freeze()
+
+
 def _default_signals() -> None:
-    """A new Python's signal handling: the launcher's handlers (forwarding, torchrun's) are not the worker's."""
-    signal.pthread_sigmask(signal.SIG_SETMASK, [])
-    for sig in _DEFAULT_SIGNALS:
-        signal.signal(sig, signal.SIG_DFL)
+    """A new Python's signal handling: the launcher's handlers (forwarding, torchrun's, any --signals-to-handle) are
+    not the worker's. Python ignores SIGPIPE and SIGXFSZ at start-up, as the launcher did: those stay."""
+    for sig in signal.valid_signals():
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            if callable(signal.getsignal(sig)):
+                signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 

@@ -40,6 +40,9 @@ def train(ctx: TrainContext) -> LoopResult:
     val_step = 0
     ctx.fault.last_save = time.monotonic()
     ctx.model.train()  # once: evaluate() puts the mode back
+    if ctx.state.eval_pending:  # the validation a stop skipped, on the weights it saved
+        ctx.state.eval_pending = False
+        last_val, val_step = validate(ctx), ctx.state.step
     while ctx.state.step < ctx.end_step:
         # The sampler restarts at the saved position; set before iter() because loader
         # workers never see the sampler, only the indices it yields in this process.
@@ -76,18 +79,7 @@ def after_step(ctx: TrainContext, window: "_Window", epoch_ended: bool) -> tuple
         _save(ctx, wait=True)
         if ctx.runtime.is_main:
             log.warning("stop signal at step %d, this launch's last: checkpoint saved, finishing normally", step)
-    val = None
-    if eval_due(ctx, epoch_ended):
-        # The EMA weights are the ones a run with EMA ships, so they are the ones validated.
-        model = ctx.shipped_model
-        # Validate on every rank the weights the checkpoint holds (rank 0's), not each rank's own batch-norm statistics.
-        broadcast_buffers(model, ctx.runtime)
-        val = evaluate(ctx.experiment, model, ctx.val_loader, ctx.runtime, ctx.precision, cfg.train.channels_last,
-                       on_batch=lambda: fault.heartbeat.mark("eval"), seed=cfg.run.seed, step=step)
-        ctx.metrics.log({"step": step, "split": "val", "epoch": ctx.state.epoch, **val})
-        text = ctx.experiment.describe_metrics(val) if ctx.runtime.is_main else None
-        if text:
-            log.info("validation at step %d:\n%s", step, text)
+    val = validate(ctx) if eval_due(ctx, epoch_ended) else None
     if not saved_first and (save_due(step, total, cfg.ckpt.every_steps) or leaving or verdict.save_due):
         _save(ctx, wait=leaving)  # the last save is waited for: a finished run exits only with it on disk
     if outputs_due(ctx, epoch_ended):
@@ -98,6 +90,22 @@ def after_step(ctx: TrainContext, window: "_Window", epoch_ended: bool) -> tuple
         return val, 0  # leaving: cast nothing, so no collective is left pending
     fault.vote.cast(fault.signals.received, _time_save_due(ctx))
     return val, 0
+
+
+def validate(ctx: TrainContext) -> dict[str, float]:
+    """Validation at this step, recorded and logged."""
+    step = ctx.state.step
+    # The EMA weights are the ones a run with EMA ships, so they are the ones validated.
+    model = ctx.shipped_model
+    # Validate on every rank the weights the checkpoint holds (rank 0's), not each rank's own batch-norm statistics.
+    broadcast_buffers(model, ctx.runtime)
+    val = evaluate(ctx.experiment, model, ctx.val_loader, ctx.runtime, ctx.precision, ctx.cfg.train.channels_last,
+                   on_batch=lambda: ctx.fault.heartbeat.mark("eval"), seed=ctx.cfg.run.seed, step=step)
+    ctx.metrics.log({"step": step, "split": "val", "epoch": ctx.state.epoch, **val})
+    text = ctx.experiment.describe_metrics(val) if ctx.runtime.is_main else None
+    if text:
+        log.info("validation at step %d:\n%s", step, text)
+    return val
 
 
 def _save(ctx: TrainContext, wait: bool) -> None:
@@ -154,10 +162,11 @@ def stop_with_checkpoint(ctx: TrainContext, window: "_Window", stop_signal: int,
     """A stop signal: the checkpoint first and nothing that resuming does not need. Slurm's grace after
     SIGTERM (KillWait) is often 30 s, and a validation pass or a plot before the save can outlast it."""
     log_train(ctx, window)  # one small all-reduce: the loss of the steps since the last line is not lost
+    ctx.state.eval_pending = skipped_eval  # in the checkpoint: the resumed run validates this step first
     _save(ctx, wait=True)  # the job exits only with it on disk
     if skipped_eval and ctx.runtime.is_main:
-        log.warning("validation due at step %d skipped: stopping (the resumed run goes on from the next step)",
-                    ctx.state.step)
+        log.warning("validation due at step %d skipped: stopping (the resumed run validates step %d first)",
+                    ctx.state.step, ctx.state.step)
     report_skipped_samples(ctx, ctx.state.epoch)
     return stop_signal
 

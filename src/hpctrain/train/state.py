@@ -27,6 +27,9 @@ class TrainState:
     data_order: str = ""
     """data.order of the steps counted above (exact or shard_local): step_in_epoch points into that order. '':
     unknown, a checkpoint written before hpctrain recorded it."""
+    eval_pending: bool = False
+    """A stop signal at an eval step saved this checkpoint instead of validating: the resumed run validates this step
+    first, so a preempted run's records equal an uninterrupted one's."""
 
     def advance(self, global_batch_size: int, steps_per_epoch: int) -> None:
         self.step += 1
@@ -42,7 +45,8 @@ class TrainState:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainState":
         known = {k: int(data[k]) for k in ("step", "epoch", "step_in_epoch", "samples_seen")}
-        return cls(**known, global_batch_size=int(data.get("global_batch_size", 0)), data_order=str(data.get("data_order", "")))
+        return cls(**known, global_batch_size=int(data.get("global_batch_size", 0)),
+                   data_order=str(data.get("data_order", "")), eval_pending=bool(data.get("eval_pending", False)))
 
 
 def read_state(path: Path) -> TrainState | None:
