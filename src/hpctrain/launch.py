@@ -188,7 +188,10 @@ def report(err: ChildFailedError, cfg=None) -> int:
     "resume me" reading of fault.exit_code)."""
     rank, first = first_failure(err)
     codes = {f.exitcode for f in err.failures.values()}
-    if _Interrupts.count and codes <= {INTERRUPTED, -signal.SIGINT, -signal.SIGKILL, -signal.SIGTERM}:
+    # After Ctrl-C, a rank that was waiting in a collective can fail on its peer's exit ("Connection closed by peer")
+    # before its own KeyboardInterrupt is raised: still the interrupt, not a failure.
+    interrupted = {INTERRUPTED, -signal.SIGINT, -signal.SIGKILL, -signal.SIGTERM}
+    if _Interrupts.count and all(f.exitcode in interrupted or is_consequence(f) for f in err.failures.values()):
         saved = "" if _Interrupts.count > 1 else " at a step boundary with a checkpoint"
         print(f"hpctrain: interrupted (Ctrl-C): all {len(err.failures)} workers stopped{saved}; the same command "
               "resumes from the last checkpoint", file=sys.stderr)

@@ -41,6 +41,26 @@ def test_first_failure_prefers_the_cause_over_torchruns_shutdown_sigterm():
     assert first_failure(crash)[0] == 0
 
 
+def test_after_ctrl_c_a_rank_that_lost_its_peer_is_part_of_the_interrupt_not_a_failure(monkeypatch, capsys):
+    """The second Ctrl-C: rank 0 leaves with 130 while rank 1, waiting in a collective, fails on the closed
+    connection before its own KeyboardInterrupt is raised (seen in the suite). A real error stays a failure."""
+    from types import SimpleNamespace
+
+    from hpctrain import launch
+
+    lost_peer = {"message": "RuntimeError: [gloo/pair.cc:561] Connection closed by peer [127.0.0.1]:123."}
+    err = SimpleNamespace(failures={0: SimpleNamespace(timestamp=1, exitcode=130, message="", local_rank=0, pid=7),
+                                    1: SimpleNamespace(timestamp=1, exitcode=1, message=lost_peer, local_rank=1, pid=8)})
+    monkeypatch.setattr(launch._Interrupts, "count", 2)
+    assert launch.report(err) == launch.INTERRUPTED
+    assert "hpctrain: interrupted (Ctrl-C): all 2 workers stopped;" in capsys.readouterr().err
+    err.failures[1].message = "ValueError: bad batch"
+    assert launch.report(err) == 130 and "failed first" in capsys.readouterr().err  # rank 0 first: 130
+    monkeypatch.setattr(launch._Interrupts, "count", 0)  # no Ctrl-C: the same exits are a failure
+    err.failures[1].message = lost_peer
+    assert launch.report(err) == 130 and "failed first" in capsys.readouterr().err
+
+
 def test_failure_message_keeps_a_user_errors_message_before_its_hint():
     from types import SimpleNamespace
 
