@@ -191,7 +191,9 @@ def report(err: ChildFailedError, cfg=None) -> int:
     # After Ctrl-C, a rank that was waiting in a collective can fail on its peer's exit ("Connection closed by peer")
     # before its own KeyboardInterrupt is raised: still the interrupt, not a failure.
     interrupted = {INTERRUPTED, -signal.SIGINT, -signal.SIGKILL, -signal.SIGTERM}
-    if _Interrupts.count and all(f.exitcode in interrupted or is_consequence(f) for f in err.failures.values()):
+    failures = err.failures.values()
+    if (_Interrupts.count and any(f.exitcode in (INTERRUPTED, -signal.SIGINT) for f in failures)
+            and all(f.exitcode in interrupted or is_consequence(f) for f in failures)):
         saved = "" if _Interrupts.count > 1 else " at a step boundary with a checkpoint"
         print(f"hpctrain: interrupted (Ctrl-C): all {len(err.failures)} workers stopped{saved}; the same command "
               "resumes from the last checkpoint", file=sys.stderr)

@@ -136,28 +136,32 @@ class ForkedProcess:
         # returns after the exec). The child closes ``ready`` when it is there.
         ready_r, ready_w = os.pipe()
         filters = list(warnings.filters)
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
-        pid = -1
+        pid, mask = -1, None
         try:
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: "multi-threaded, use of fork()"
                 pid = os.fork()
-            if pid == 0:
-                try:
-                    os.close(ready_r)
-                    warnings.filters[:] = filters
-                finally:
-                    _become_worker(module_args, env, stdout, stderr, entry, ready_w)  # never returns
-        finally:
-            if pid != 0:  # the launcher (or a failed fork)
-                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-                os.close(ready_w)
-                if pid < 0:
-                    os.close(ready_r)
-        try:
+                if pid == 0:
+                    _child(module_args, env, stdout, stderr, entry, ready_r, ready_w, filters)  # never returns
+            os.close(ready_w)
+            ready_w = -1
+            # restoring the mask runs a pending handler, which may raise (torchrun's SIGQUIT): handled below
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            mask = None
             os.read(ready_r, 1)  # b"" when the child closed it (or died before)
+        except BaseException:
+            if pid > 0:  # torchrun will never hear of this child: it must not live on
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+            raise
         finally:
-            os.close(ready_r)
+            if mask is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            for fd in (ready_r, ready_w):
+                if fd >= 0:
+                    os.close(fd)
         return cls(pid, ["python", "-u", "-m", "hpctrain", *module_args])
 
     def poll(self) -> int | None:
@@ -193,6 +197,16 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
+def _child(module_args: list[str], env: dict[str, str], stdout: Any, stderr: Any, entry: Callable[[], Any],
+           ready_r: int, ready_w: int, filters: list) -> None:
+    """The forked child's first steps; whatever happens, it ends in _become_worker's os._exit."""
+    try:
+        os.close(ready_r)
+        warnings.filters[:] = filters
+    finally:
+        _become_worker(module_args, env, stdout, stderr, entry, ready_w)
+
+
 def _become_worker(module_args: list[str], env: dict[str, str], stdout: Any, stderr: Any,
                    entry: Callable[[], Any], ready: int) -> None:
     """In the forked child (every signal blocked): the state a new `python -u -m hpctrain MODULE_ARGS` would start
@@ -221,17 +235,22 @@ def _become_worker(module_args: list[str], env: dict[str, str], stdout: Any, std
         from hpctrain.process_exit import exit_code_of
 
         code = exit_code_of(exc)
+    except KeyboardInterrupt:  # Ctrl-C before main() took over: an interrupt, as the launcher counts them
+        code = 130
     except BaseException:  # noqa: BLE001 - a new Python would print it and exit 1
         import traceback
 
         traceback.print_exc()
     finally:
         # no signal may raise here and unwind into the launcher's code (torchrun's loop, launch.main's clean-up)
-        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
-        with contextlib.suppress(BaseException):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+        try:
+            with contextlib.suppress(BaseException):
+                signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+            with contextlib.suppress(BaseException):
+                sys.stdout.flush()
+                sys.stderr.flush()
+        finally:
+            os._exit(code)
 
 
 def _flush_everything() -> None:

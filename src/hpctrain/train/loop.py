@@ -40,9 +40,10 @@ def train(ctx: TrainContext) -> LoopResult:
     val_step = 0
     ctx.fault.last_save = time.monotonic()
     ctx.model.train()  # once: evaluate() puts the mode back
-    if ctx.state.eval_pending:  # the validation a stop skipped, on the weights it saved
+    if ctx.state.eval_pending:  # the validation a stop skipped, on the weights it saved (if this run validates)
         ctx.state.eval_pending = False
-        last_val, val_step = validate(ctx), ctx.state.step
+        if ctx.val_loader is not None:
+            last_val, val_step = validate(ctx), ctx.state.step
     while ctx.state.step < ctx.end_step:
         # The sampler restarts at the saved position; set before iter() because loader
         # workers never see the sampler, only the indices it yields in this process.
