@@ -245,3 +245,27 @@ def test_fsdp_on_cuda_gathers_in_bf16_reduces_in_fp32_and_clips_the_global_norm(
         optimizer.step()
     finally:
         dist.destroy_process_group()
+
+
+def test_nvml_sees_the_gpu_busy_then_idle():
+    """monitor/gpu_busy.py on a real GPU: NVML's samples over a window of back-to-back matmuls, then an idle one.
+    The windows last 2.5 s: NVML samples every 1/6 to 1 s depending on the product."""
+    import time
+
+    from hpctrain.monitor.gpu_busy import open_meter
+
+    opened = open_meter(torch.device("cuda", torch.cuda.current_device()))
+    assert opened.meter is not None, opened.why_not  # nvidia-ml-py is a dependency; NVML is the driver's
+    meter = opened.meter
+    meter.mark()
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    end = time.monotonic() + 2.5
+    while time.monotonic() < end:
+        for _ in range(20):
+            a = (a @ a).tanh_()
+        torch.cuda.synchronize()
+    busy = meter.read()
+    time.sleep(2.5)
+    idle = meter.read()
+    assert busy is not None and busy > 0.9, busy
+    assert idle is not None and idle < 0.2, idle

@@ -19,6 +19,7 @@ from pathlib import Path
 from hpctrain.errors import UserError
 from hpctrain.metrics.plots import plot_loss
 from hpctrain.metrics.records import metric_values, read_metrics, series
+from hpctrain.monitor.gpu_busy import HOST_BOUND, fewer_launches
 from hpctrain.monitor.parse import DmonTable, TopSeries, node_logs, parse_dmon, parse_parsable, parse_top
 
 GPU_PANELS = (("sm", "GPU utilisation (SM busy, %)"), ("mem", "memory bandwidth utilisation (%)"),
@@ -57,6 +58,11 @@ def load_run(run_dir: Path) -> RunData:
     return data
 
 
+def _median(values: list) -> float:
+    numbers = [v for v in values if isinstance(v, (int, float))]
+    return statistics.median(numbers) if numbers else math.nan
+
+
 def _mean(values: list[float]) -> float:
     values = [v for v in values if not math.isnan(v)]
     return statistics.fmean(values) if values else math.nan
@@ -69,6 +75,9 @@ def summary_facts(data: RunData) -> dict:
     facts: dict = {"steps": train[-1]["step"] if train else 0}
     speeds = [r["samples_per_s"] for r in train if isinstance(r.get("samples_per_s"), (int, float))]
     facts["samples_per_s_median"] = statistics.median(speeds) if speeds else math.nan
+    # Medians of the log windows: a launch's first window (warm-up, compilation, capture) does not move them.
+    facts["gpu_busy_median"] = _median([r.get("gpu_busy") for r in train])
+    facts["data_wait_median"] = _median([r.get("data_wait_frac") for r in train])
     if val:
         facts["final_val"] = metric_values(val[-1])
     facts["cpu_busy_mean"] = {h: _mean(t.cpu_busy) for h, t in data.top.items()}
@@ -92,16 +101,33 @@ def observations(facts: dict) -> list[str]:
                 f"GPU utilisation below 60% on {', '.join(sorted(low))}: the GPUs waited. "
                 + ("The CPUs were busy too (" + ", ".join(cpu_high) + "): the data pipeline is the likely limit; "
                    "raise slurm.cpus_per_task and data.num_workers, or pre-resize the data into shards."
-                   if cpu_high else "The CPUs were not saturated: look at communication (hpctrain doctor, larger "
-                   "micro batch or accumulation) or at I/O.")
+                   if cpu_high else "The CPUs were not saturated: look at the host's kernel launches (one core per "
+                   "rank is enough to bound a step: gpu_busy in the training log), communication (hpctrain doctor, "
+                   "larger micro batch or accumulation) or I/O.")
             )
         if max(gpu.values()) - min(gpu.values()) > 20:
             notes.append("GPU utilisation differs by more than 20 points between GPUs: a straggler or an uneven node.")
-    elif cpu:
+    elif cpu and math.isnan(facts.get("gpu_busy_median", math.nan)):
         notes.append("No GPU monitor logs (no nvidia-smi on the nodes, or monitors off): CPU figures only.")
+    notes += busy_observations(facts)
     if cpu and max(cpu.values()) > 95:
         notes.append(f"CPU busy above 95% on {', '.join(h for h, v in cpu.items() if v > 95)}.")
     return notes
+
+
+def busy_observations(facts: dict) -> list[str]:
+    """From the training log's gpu_busy (NVML kernel time per log window, monitor/gpu_busy.py): host-bound or
+    loader-bound, and what to try."""
+    busy, wait = facts.get("gpu_busy_median", math.nan), facts.get("data_wait_median", math.nan)
+    if math.isnan(busy) or busy >= HOST_BOUND:
+        return []
+    share = f"The GPUs ran kernels {busy:.0%} of the training time (NVML, median of the log windows)"
+    if not math.isnan(wait) and wait >= 0.25:
+        return [f"{share}, and the ranks waited {wait:.0%} of it for batches: the data loader set the pace "
+                "(more data.num_workers, pre-resized shards, or data.on_device=true)."]
+    return [f"{share} while the loader kept up: the host (kernel launches, Python, autograd) set the pace. Unless "
+            f"the run was already graphed: {fewer_launches(distributed=False, compiled=False)}; with several GPUs, "
+            "train.step_mode=graphed; a larger train.micro_batch_size gives each launch more work."]
 
 
 def _plot_overview(data: RunData, out: Path) -> Path:
@@ -125,6 +151,13 @@ def _plot_overview(data: RunData, out: Path) -> Path:
     else:  # a run without the job's node monitors (a local one): its validation metrics instead of an empty panel
         plot_val_metrics(ax, data.records)
     ax = axes[1, 1]
+    if not data.dmon:  # a run without nvidia-smi logs: the training log's own NVML kernel time, if it has one
+        x, y = series(data.records, "train", "gpu_busy")
+        if x:
+            ax.plot(x, [100 * v for v in y], "-", label="gpu_busy (mean of the ranks)")
+            ax.set(title="GPU busy (% of time a kernel ran, NVML)", xlabel="optimizer step", ylim=(0, 105))
+            ax.legend(fontsize="small")
+            return _finish_overview(fig, plt, data, out)
     for host, table in sorted(data.dmon.items()):
         for gpu in table.gpus():
             t, v = table.series(gpu, "sm")
@@ -133,6 +166,10 @@ def _plot_overview(data: RunData, out: Path) -> Path:
            xlabel="seconds", ylim=(0, 105))
     if data.dmon:
         ax.legend(fontsize="small")
+    return _finish_overview(fig, plt, data, out)
+
+
+def _finish_overview(fig, plt, data: RunData, out: Path) -> Path:
     fig.suptitle(f"{data.run_dir.name}")
     fig.savefig(out, dpi=100)
     plt.close(fig)
@@ -190,6 +227,9 @@ def summary_markdown(data: RunData, facts: dict, pictures: list[str]) -> str:
                 details.setdefault(group, []).append((name, value))
     if facts["cpu_busy_mean"]:
         lines.append("- CPU busy (mean): " + ", ".join(f"{h} {_fmt(v, '%')}" for h, v in facts["cpu_busy_mean"].items()))
+    if not math.isnan(facts["gpu_busy_median"]):
+        lines.append(f"- GPU busy in training (NVML kernel time, median of the log windows, mean of the ranks): "
+                     f"{facts['gpu_busy_median']:.0%}")
     if facts["gpu_util_mean"]:
         lines.append("- GPU utilisation (mean): "
                      + ", ".join(f"{g} {_fmt(v, '%')}" for g, v in facts["gpu_util_mean"].items()))

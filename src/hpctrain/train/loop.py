@@ -14,6 +14,7 @@ from hpctrain.checkpoint.policy import save_due
 from hpctrain.dist.collectives import all_reduce_sums, broadcast_buffers
 from hpctrain.dist.wrap import fsdp_of, place_model
 from hpctrain.experiments.base import has_outputs
+from hpctrain.monitor.gpu_busy import host_bound, host_bound_advice, open_meter
 from hpctrain.train.context import TrainContext
 from hpctrain.train.evaluate import evaluate
 from hpctrain.train.optim import base_lr
@@ -35,7 +36,10 @@ class LoopResult:
 
 def train(ctx: TrainContext) -> LoopResult:
     """Run until ctx.end_step, or until a rank gets a stop signal; returns the last validation metrics."""
-    window = _Window(ctx.state.step)
+    busy = open_meter(ctx.runtime.device)
+    if busy.why_not and ctx.runtime.is_main:
+        log.info("GPU busy (the log's gpu_busy) not measured: %s", busy.why_not)
+    window = _Window(ctx.state.step, busy.meter)
     last_val: dict[str, float] = {}
     val_step = 0
     ctx.fault.last_save = time.monotonic()
@@ -195,7 +199,9 @@ def report_skipped_samples(ctx: TrainContext, epoch: int) -> None:
 
 def log_train(ctx: TrainContext, window: "_Window") -> None:
     """The logged loss is the mean over all ranks and all steps since the last log: one all-reduce, only here."""
-    stats = {"loss": window.loss_sum, "n": float(window.steps), "wait": window.data_wait}
+    busy = window.busy.read() if window.busy is not None else None  # this rank's GPU, since the window began
+    stats = {"loss": window.loss_sum, "n": float(window.steps), "wait": window.data_wait,
+             "busy": busy or 0.0, "busy_n": float(busy is not None)}
     sums = all_reduce_sums(stats, ctx.runtime)
     now = time.perf_counter()
     elapsed = now - window.started
@@ -211,7 +217,10 @@ def log_train(ctx: TrainContext, window: "_Window") -> None:
         "eta_s": (ctx.total_steps - ctx.state.step) * elapsed / max(steps, 1),
         "data_wait_frac": wait_frac,
     }
+    if sums["busy_n"]:
+        record["gpu_busy"] = sums["busy"] / sums["busy_n"]  # the mean over the ranks that measured
     _warn_if_loader_bound(ctx, window, wait_frac)
+    _warn_if_host_bound(ctx, window, wait_frac, record.get("gpu_busy"))
     if window.grad_norm is not None:
         record["grad_norm"] = float(window.grad_norm)
     ctx.metrics.log(record)
@@ -229,6 +238,27 @@ def _warn_if_loader_bound(ctx: TrainContext, window: "_Window", wait_frac: float
     if ctx.runtime.is_main:
         log.warning("the data loader limits the step time: ranks wait %.0f%% of it for batches. %s", 100 * wait_frac,
                     loader_advice(ctx.train_loader))
+
+
+def _warn_if_host_bound(ctx: TrainContext, window: "_Window", wait_frac: float, busy: float | None) -> None:
+    if window.first_step == window.launch_step or window.warned_host_bound:  # warm-up, compilation, capture
+        return
+    if not host_bound(busy, wait_frac, LOADER_BOUND):
+        return
+    window.warned_host_bound = True
+    if ctx.runtime.is_main:
+        advice = host_bound_advice(running_mode(ctx), ctx.runtime.distributed, ctx.cfg.train.compile,
+                                   ctx.plan.micro_batch_size)
+        log.warning("the host limits the step time: the GPU ran kernels %.0f%% of it (NVML's utilisation, the mean "
+                    "of the ranks' GPUs) and the loader did not hold it up. %s", 100 * busy, advice)
+
+
+def running_mode(ctx: TrainContext) -> str:
+    """The step that runs now: graphed (replaying), compiled or eager."""
+    stepper = ctx.stepper
+    if getattr(stepper, "graph", None) is not None and not getattr(stepper, "failed", ""):
+        return "graphed"
+    return "compiled" if ctx.cfg.train.compile else "eager"
 
 
 def loader_advice(loader) -> str:
@@ -257,9 +287,11 @@ def loader_advice(loader) -> str:
 class _Window:
     """Loss and time since the last log line; stays on the device until log_train."""
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, busy=None) -> None:
         self.launch_step = step
-        self.warned_loader_bound = False
+        self.warned_loader_bound = self.warned_host_bound = False
+        self.busy = busy
+        """NvmlBusy for this rank's GPU (monitor/gpu_busy.py), or None."""
         self.reset(step)
 
     def reset(self, step: int) -> None:
@@ -269,6 +301,8 @@ class _Window:
         self.grad_norm: torch.Tensor | None = None
         self.lr = 0.0
         self.data_wait = 0.0
+        if self.busy is not None:
+            self.busy.mark()
 
     def add(self, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
         self.loss_sum = self.loss_sum + loss

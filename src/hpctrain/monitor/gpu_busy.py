@@ -1,0 +1,125 @@
+"""How busy each rank's GPU was over a log window, and what to try when the host, not the GPU, set the pace.
+
+The number is NVML's GPU utilisation: the driver samples whether a kernel was running (one sample per 1/6 to 1 s,
+depending on the product) and nvmlDeviceGetSamples hands back the samples taken since a time stamp; the mean of a
+window's samples is the fraction of it the GPU ran kernels. CUDA events, the other candidate, cannot show this: an
+event pair times the span of a step on the GPU, gaps included, and in a host-bound step the gaps (the GPU waiting
+for the host's next launch) are what is to be seen. Only NVML and a profiler (CUPTI) see kernel time, and a profiler
+costs far more than one NVML call per log line.
+
+NVML's caveats, said where the number is shown: it counts the whole GPU (another process on it counts too); a
+kernel counts as busy however few of the GPU's units it uses, so 100% is not efficiency and a low number is the
+conclusive one; MIG instances have no utilisation samples (then nothing is shown). The samples are asked for with the
+newest time stamp already seen, not a clock of ours: NVML's time stamps need not be on any clock Python reads.
+
+The bindings are NVIDIA's own (nvidia-ml-py, imported as pynvml), loaded only on CUDA runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger("hpctrain")
+
+HOST_BOUND = 0.80
+"""A window whose GPU ran kernels less than this fraction of the time, without waiting for the loader, was set by
+the host (launching kernels, Python, autograd). A rule of thumb: a profile of the eager DDPM step on one H100 at
+batch 128 found 48 ms of kernels in a 68 ms step (70%; less at the reference micro batch 64, whose step takes as
+long); a step bound by the GPU leaves it idle only between steps."""
+MIN_SAMPLES = 2
+"""Fewer samples in a window (a window shorter than about two sampling periods) give no number."""
+
+# nvmlValueType_t -> the member of nvmlValue_t holding the sample (utilisation samples are unsigned ints).
+_VALUE_FIELDS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
+
+
+class NvmlBusy:
+    """One GPU's utilisation samples, read window by window."""
+
+    def __init__(self, nvml: Any, handle: Any) -> None:
+        self.nvml = nvml
+        """The pynvml module (a stand-in in the tests)."""
+        self.handle = handle
+        self.last_seen = 0
+        """NVML's time stamp of the newest sample read: the next window's samples are the ones after it."""
+
+    def mark(self) -> None:
+        """A window starts now: the samples so far are not its own."""
+        self._samples()
+
+    def read(self) -> float | None:
+        """The fraction (0-1) of the time since the last mark() or read() the GPU ran kernels; None when too few
+        samples were taken in it (or NVML failed, which is not worth a training run)."""
+        values = self._samples()
+        return statistics.fmean(values) / 100.0 if len(values) >= MIN_SAMPLES else None
+
+    def _samples(self) -> list[float]:
+        try:
+            kind, samples = self.nvml.nvmlDeviceGetSamples(self.handle, self.nvml.NVML_GPU_UTILIZATION_SAMPLES,
+                                                           self.last_seen)
+        except self.nvml.NVMLError:  # NVML_ERROR_NOT_FOUND: no sample since last_seen
+            return []
+        name = _VALUE_FIELDS.get(int(kind), "uiVal")
+        fresh = [s for s in samples if s.timeStamp > self.last_seen]
+        if fresh:
+            self.last_seen = max(s.timeStamp for s in fresh)
+        return [float(getattr(s.sampleValue, name)) for s in fresh]
+
+
+@dataclass(frozen=True)
+class BusyMeter:
+    """What this rank measures: NvmlBusy, or None and why not (said once in the log)."""
+
+    meter: NvmlBusy | None
+    why_not: str = ""
+
+
+def open_meter(device: torch.device, nvml: Any = None) -> BusyMeter:
+    """The meter for this rank's GPU, found by its UUID (NVML's own indices need not be CUDA's)."""
+    if device.type != "cuda":
+        return BusyMeter(None, "")
+    if nvml is None:
+        try:
+            import pynvml as nvml
+        except ImportError:
+            return BusyMeter(None, "nvidia-ml-py is not installed (pip install nvidia-ml-py)")
+    from hpctrain.dist.gpu_identity import device_identity
+
+    try:
+        nvml.nvmlInit()
+        handle = nvml.nvmlDeviceGetHandleByUUID(device_identity(device))
+        meter = NvmlBusy(nvml, handle)
+        nvml.nvmlDeviceGetSamples(handle, nvml.NVML_GPU_UTILIZATION_SAMPLES, 0)
+    except nvml.NVMLError as err:  # no driver library, a MIG instance (NOT_SUPPORTED), no permission
+        return BusyMeter(None, f"NVML gives no utilisation samples here ({err})")
+    return BusyMeter(meter)
+
+
+def host_bound(busy: float | None, data_wait_frac: float, loader_bound: float) -> bool:
+    """The GPU idled without waiting for the loader: the host's launching set the pace."""
+    return busy is not None and busy < HOST_BOUND and data_wait_frac < loader_bound
+
+
+def host_bound_advice(mode: str, distributed: bool, compiled: bool, micro_batch: int) -> str:
+    """What to try, from what the run does now (mode: the step that runs: eager, compiled or graphed)."""
+    bigger = (f"a larger train.micro_batch_size (now {micro_batch}; with the same global batch, fewer accumulation "
+              "steps) gives each launch more work")
+    if mode == "graphed":
+        return (f"The step is already one CUDA graph replay: the host's work between replays (batch copies, the "
+                f"loader, logging) sets the pace; {bigger}, or keep the data on the GPU (data.on_device=true).")
+    return f"{fewer_launches(distributed, compiled)}; {bigger}."
+
+
+def fewer_launches(distributed: bool, compiled: bool) -> str:
+    """The step modes that launch fewer kernels per step than the one a run has."""
+    if distributed:
+        capture = ("train.step_mode=graphed captures the whole step, DDP's all-reduce included (opt-in over several "
+                   "GPUs; dist.strategy=ddp, bf16)")
+    else:
+        capture = "train.step_mode=auto (or graphed) captures the whole step as one CUDA graph (bf16)"
+    return capture if compiled else f"{capture}; train.compile=true fuses the model's kernels (fewer launches)"
