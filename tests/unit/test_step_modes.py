@@ -80,6 +80,9 @@ def test_cudnn_benchmark_is_on_for_a_graphed_step_on_a_gpu_and_said_in_the_start
     assert not choose_step_mode(_cfg("train.cudnn_benchmark=off"), _runtime("cuda:0"), BF16).cudnn_benchmark
     cpu = choose_step_mode(_cfg("train.cudnn_benchmark=on"), _runtime("cpu"), Precision("fp32", None, "cpu"))
     assert not cpu.cudnn_benchmark  # nothing to set on a CPU
+    # Only auto's choice for the graph is undone by an eager fallback; one the user asked for stays.
+    assert graphed.cudnn_for_graph
+    assert not choose_step_mode(_cfg("train.cudnn_benchmark=on"), _runtime("cuda:0"), BF16).cudnn_for_graph
 
 
 @pytest.mark.parametrize("overrides, runtime, precision, words", [
@@ -258,15 +261,31 @@ def test_a_step_that_cannot_be_captured_falls_back_under_auto_and_fails_when_ask
     ctx = _context(tmp_path, monkeypatch)
     reads_step = lambda model, batch, info: model(batch[0].float(), torch.full((8,), info.step)).mean()  # noqa: E731
     monkeypatch.setattr(ctx.experiment, "train_loss", reads_step)
-    ctx.stepper = GraphedStep(warmup=1, graph_class=host_replay(ctx), fallback=True)
+    ctx.stepper = GraphedStep(warmup=1, graph_class=host_replay(ctx), fallback=True, cudnn_for_graph=True)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)  # as auto set it for the graph
     losses, _ = _train(ctx, 3)
     assert ctx.stepper.failed.startswith("BatchInfo.step read") and all(math.isfinite(x) for x in losses)
+    assert not torch.backends.cudnn.benchmark  # eager steps may meet new shapes: no search for each
     strict = _context(tmp_path / "strict", monkeypatch)
     monkeypatch.setattr(strict.experiment, "train_loss", reads_step)
     strict.stepper = GraphedStep(warmup=1, graph_class=host_replay(strict))
     with pytest.raises(UserError, match="train.step_mode=graphed: BatchInfo.step read"):
         _train(strict, 2)
     assert not hasattr(strict.optimizer, "found_inf") and isinstance(strict.optimizer.param_groups[0]["lr"], float)
+
+
+def test_out_of_memory_during_the_capture_says_what_to_lower(tmp_path, monkeypatch):
+    ctx = _context(tmp_path, monkeypatch)
+    graph = host_replay(ctx)
+
+    class Full(graph):
+        def capture(self, body):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    ctx.stepper = GraphedStep(warmup=1, graph_class=Full, fallback=True)
+    with pytest.raises(UserError, match="out of GPU memory while capturing") as err:
+        _train(ctx, 2)
+    assert "lower train.micro_batch_size" in err.value.hint
 
 
 def test_a_batch_that_is_not_tensors_is_not_captured(tmp_path, monkeypatch):

@@ -62,6 +62,9 @@ class StepChoice:
     """graphed chosen by auto: a step that cannot be captured (said by hpctrain's own checks) runs eagerly."""
     cudnn_benchmark: bool = False
     """torch.backends.cudnn.benchmark for this run (train.cudnn_benchmark resolved; see cudnn_benchmark)."""
+    cudnn_for_graph: bool = False
+    """cudnn_benchmark is on only because the step is graphed (train.cudnn_benchmark=auto): an eager fallback turns
+    it off again, as auto would have chosen for an eager step."""
 
     def describe(self) -> str:
         """The start-up line's text."""
@@ -99,7 +102,8 @@ def choose_step_mode(cfg: RunConfig, runtime: Runtime, precision: Precision, gra
     several GPUs yet: opt-in (train.step_mode=graphed) until it has. graphed where it cannot run: an error that says
     why."""
     choice = _choose(cfg, runtime, precision, graphable)
-    return replace(choice, cudnn_benchmark=cudnn_benchmark(cfg, runtime, choice.mode))
+    on = cudnn_benchmark(cfg, runtime, choice.mode)
+    return replace(choice, cudnn_benchmark=on, cudnn_for_graph=on and cfg.train.cudnn_benchmark == "auto")
 
 
 def cudnn_benchmark(cfg: RunConfig, runtime: Runtime, mode: str) -> bool:
@@ -362,11 +366,14 @@ class GraphedStep:
 
     mode = "graphed"
 
-    def __init__(self, warmup: int = WARMUP_STEPS, graph_class: type = CudaGraph, fallback: bool = False) -> None:
+    def __init__(self, warmup: int = WARMUP_STEPS, graph_class: type = CudaGraph, fallback: bool = False,
+                 cudnn_for_graph: bool = False) -> None:
         self.warmup_left = max(1, warmup)  # at least one eager step: it notes the draws the capture needs
         self.graph_class = graph_class
         self.fallback = fallback
         """train.step_mode=auto: a step that cannot be captured runs eagerly (with a warning) instead of failing."""
+        self.cudnn_for_graph = cudnn_for_graph
+        """StepChoice.cudnn_for_graph: the fallback to eager turns cuDNN's algorithm search off."""
         self.eager = EagerStep(cache=False)
         self.eager.recording = []  # the warm-up notes the draws, for the capture's buffers
         self.graph: Any = None
@@ -410,8 +417,12 @@ class GraphedStep:
             # capture, and torch leaves its allocator and generators in states it does not promise to recover from:
             # stop with the reason rather than go on in this process, also under auto.
             self._restore_optimizer(ctx.optimizer)
-            raise UserError(f"train.step_mode={'auto' if self.fallback else 'graphed'}: the training step could not "
-                            f"be captured as a CUDA graph: {e}",
+            mode = f"train.step_mode={'auto' if self.fallback else 'graphed'}"
+            if isinstance(e, torch.OutOfMemoryError):  # the graph's pool comes on top of the eager warm-up's peak
+                raise UserError(f"{mode}: out of GPU memory while capturing the training step as a CUDA graph: {e}",
+                                "lower train.micro_batch_size (with the same global batch: more accumulation), or set "
+                                "train.step_mode=eager.") from e
+            raise UserError(f"{mode}: the training step could not be captured as a CUDA graph: {e}",
                             "set train.step_mode=eager (or compiled) for this experiment, or make its train_loss "
                             "free of host synchronisation (.item(), data-dependent shapes) and CPU tensors.") from e
 
@@ -422,8 +433,12 @@ class GraphedStep:
                             "use train.step_mode=eager (or auto, which falls back to eager with a warning).")
         self.failed, self.graph = why, None
         self.eager.recording = None
+        searching = self.cudnn_for_graph and torch.backends.cudnn.benchmark
+        if searching:  # eager steps may meet new shapes (an epoch's short last batch): each would pay a search
+            torch.backends.cudnn.benchmark = False
         if ctx.runtime.is_main:
-            log.warning("train.step_mode=auto: the step cannot be captured, running eagerly: %s", why)
+            log.warning("train.step_mode=auto: the step cannot be captured, running eagerly%s: %s",
+                        " (cudnn.benchmark off again)" if searching else "", why)
 
     def _capture(self, ctx, micro: list) -> None:
         device, opt = ctx.runtime.device, ctx.optimizer
@@ -586,5 +601,5 @@ def ema_update(ema, model: torch.nn.Module, weight: torch.Tensor) -> None:
 
 def build_step(choice: StepChoice) -> EagerStep | GraphedStep:
     if choice.mode == "graphed":
-        return GraphedStep(fallback=choice.fallback)
+        return GraphedStep(fallback=choice.fallback, cudnn_for_graph=choice.cudnn_for_graph)
     return EagerStep()
