@@ -335,6 +335,13 @@ SHARDING_NEEDS_2 = ("needs 2 GPUs: zero1 and fsdp shard over ranks, and NCCL ref
                     "CPU runs (tests/dist/test_strategies.py, benchmarks/memory.py) cover the logic")
 
 
+def _faceseg_decode(ctx: Context) -> list[str]:
+    """benchmarks/faceseg_decode.py over the quick check's faces (the same --workdir and count: shards made by
+    faceseg-throughput are reused), the loader at 1 to 12 workers."""
+    return [ctx.python, "benchmarks/faceseg_decode.py", "--faces", str(QUICK_FACES), "--workdir", _faces_dir(ctx),
+            "--workers", "1", "2", "4", "8", "12", "--json", str(ctx.out / "faceseg-decode.json")]
+
+
 STAGES: list[Stage] = [
     Stage("tests-gpu", lambda ctx: [ctx.python, "-m", "pytest", "tests/gpu", "-q", "-rA", "-p", "no:cacheprovider",
                                     f"--junitxml={ctx.out / 'tests-gpu.xml'}"],
@@ -370,6 +377,7 @@ STAGES: list[Stage] = [
     Stage("faceseg-throughput", lambda ctx: [ctx.python, "benchmarks/faceseg_throughput.py", "--device", "cuda",
                                              "--repeats", "3", "--json", str(ctx.out / "faceseg-throughput.json")],
           600, numbers=table_numbers),
+    Stage("faceseg-decode", _faceseg_decode, 300, numbers=table_numbers),
 ]
 
 
@@ -410,6 +418,8 @@ QUICK: list[Stage] = [
                                              "--workdir",
                                              _faces_dir(ctx), "--json", str(ctx.out / "faceseg-throughput.json")],
           150, numbers=table_numbers),
+    # The node's CPU cores per GPU for the face-parsing data path (the faces above, reused): CPU only, ~30 s.
+    Stage("faceseg-decode", _faceseg_decode, 60, numbers=table_numbers),
     # The compiled model captured (the issue's goals' technique): about 80 s of compilation per batch size and loop
     # pair on an H100 node, so this one comes after the eager and graphed rows of both
     # experiments (the budget cuts it on a slow node).

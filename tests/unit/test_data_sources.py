@@ -141,6 +141,22 @@ def test_paired_crop_flip_moves_image_and_labels_together():
         paired_crop_flip(image, labels[..., :10], g1, size=8)
 
 
+def test_uint8_images_are_resized_by_the_uint8_kernel_within_one_level_of_the_float_path():
+    from hpctrain.data.paired import resize_bilinear, resize_nearest
+
+    image = torch.randint(0, 256, (3, 60, 60), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    crop = image[..., 5:50, 7:52]  # a view, as the crop is
+    fast = resize_bilinear(crop, 64)
+    slow = torch.nn.functional.interpolate(crop[None].float(), size=(64, 64), mode="bilinear", antialias=True)[0]
+    assert fast.dtype == torch.uint8 and fast.shape == (3, 64, 64)
+    assert (fast.int() - slow.round().clamp(0, 255).int()).abs().max() <= 1
+    assert resize_bilinear(crop.float(), 64).dtype == torch.float32
+    labels = torch.randint(0, 19, (1, 30, 30), dtype=torch.uint8)
+    for dtype in (torch.uint8, torch.int64):
+        out = resize_nearest(labels.to(dtype), 64)
+        assert out.dtype == dtype and torch.equal(out.long(), resize_nearest(labels.float(), 64).long())
+
+
 def test_celebamask_missing_download_says_how(tmp_path: Path):
     with pytest.raises(UserError, match="cannot be fetched by script"):
         celebamask.image_ids(tmp_path)

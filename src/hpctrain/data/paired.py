@@ -26,13 +26,33 @@ def paired_crop_flip(
     flip = bool(torch.rand((), generator=gen) < 0.5)
     img = image[..., y0 : y0 + side, x0 : x0 + side]
     lab = labels[..., y0 : y0 + side, x0 : x0 + side]
-    img = F.interpolate(img[None].float(), size=(size, size), mode="bilinear", align_corners=False, antialias=True)[0]
+    img = resize_bilinear(img, size)
     squeeze = lab.dim() == 2
     lab3 = lab[None] if squeeze else lab
-    lab = F.interpolate(lab3[None].float(), size=(size, size), mode="nearest")[0].to(labels.dtype)
+    lab = resize_nearest(lab3, size)
     lab = lab[0] if squeeze else lab
     if flip:
         img, lab = img.flip(-1), lab.flip(-1)
         if flip_perm is not None:
             lab = flip_perm.to(lab.device)[lab.long()].to(labels.dtype)
-    return img.to(image.dtype) if image.dtype.is_floating_point else img.round().clamp(0, 255).to(image.dtype), lab
+    return img, lab
+
+
+def resize_bilinear(image: torch.Tensor, size: int) -> torch.Tensor:
+    """C x H x W -> C x size x size, bilinear with antialiasing, in the image's dtype.
+
+    A uint8 image on the CPU goes through torch's own uint8 kernel (vectorised, fixed point), not through float:
+    a 220 px crop of a 3-channel face to 256 px takes 0.87 ms instead of 3.5 ms on one core, and the result is
+    within one intensity level of the float path's (benchmarks/faceseg_decode.py: it was most of a face's loader
+    cost)."""
+    if image.dtype == torch.uint8 and image.device.type == "cpu":
+        return F.interpolate(image[None], size=(size, size), mode="bilinear", align_corners=False, antialias=True)[0]
+    out = F.interpolate(image[None].float(), size=(size, size), mode="bilinear", align_corners=False, antialias=True)[0]
+    return out.to(image.dtype) if image.dtype.is_floating_point else out.round().clamp(0, 255).to(image.dtype)
+
+
+def resize_nearest(labels: torch.Tensor, size: int) -> torch.Tensor:
+    """C x H x W label maps -> C x size x size by nearest neighbour (uint8 directly: no float copy; the same result)."""
+    if labels.dtype == torch.uint8 or labels.dtype.is_floating_point:
+        return F.interpolate(labels[None], size=(size, size), mode="nearest")[0]
+    return F.interpolate(labels[None].float(), size=(size, size), mode="nearest")[0].to(labels.dtype)

@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from hpctrain.data.gpu_decode import Crop, draw_crop
-from hpctrain.data.paired import paired_crop_flip
+from hpctrain.data.paired import paired_crop_flip, resize_bilinear, resize_nearest
 from hpctrain.data.sources import celebamask
 from hpctrain.errors import UserError
 from hpctrain.experiments.base import Datasets
@@ -77,14 +76,13 @@ class Encoded(Resized):
 def resize_image(image: torch.Tensor, size: int) -> torch.Tensor:
     if tuple(image.shape[-2:]) == (size, size):
         return image
-    out = F.interpolate(image[None].float(), size=(size, size), mode="bilinear", align_corners=False, antialias=True)
-    return out[0].round().clamp(0, 255).to(torch.uint8)
+    return resize_bilinear(image, size)
 
 
 def resize_labels(labels: torch.Tensor, size: int) -> torch.Tensor:
     if tuple(labels.shape[-2:]) == (size, size):
         return labels
-    return F.interpolate(labels[None, None].float(), size=(size, size), mode="nearest")[0, 0].to(labels.dtype)
+    return resize_nearest(labels[None], size)[0]
 
 
 def _rgb(image: torch.Tensor) -> torch.Tensor:
