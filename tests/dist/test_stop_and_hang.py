@@ -21,7 +21,7 @@ def test_a_stop_at_an_eval_step_saves_first_and_skips_the_validation(tmp_path: P
     result = train(tmp_path, 2, "train.max_steps=30", "eval.every_steps=10", "data.num_workers=1",
                    fault="signal:rank=1:step=8", expect=75)
     assert "stopped by SIGTERM at step 10 with a checkpoint" in result.stderr
-    assert "validation due at step 10 skipped: stopping (the resumed run validates step 10 first)" in result.stderr
+    assert "validation due at step 10 skipped: stopping (the resumed run catches up at step 10 first)" in result.stderr
     assert checkpoints(tmp_path) == ["step_00000010"]
     assert not [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["split"] == "val"]
     assert any(r["split"] == "train" and r["step"] == 10 for r in read_jsonl(tmp_path / "metrics.jsonl"))

@@ -292,3 +292,28 @@ def test_the_launcher_counts_one_press_once(monkeypatch):
     launch._Interrupts.handle(2, None)
     launch._Interrupts.handle(2, None)  # a third press does not push the kill further away
     assert forwarded == [2, 2, ("kill in", launch.INTERRUPT_GRACE_S), 2]
+
+
+def test_a_stop_at_an_outputs_step_puts_them_off_to_the_resumed_run(tmp_path, monkeypatch):
+    """A stop signal at a step with outputs due (the DDPM sample grid) saves first and skips them; the flag travels
+    in the checkpoint's train state, and the resumed loop makes them at that step before its first step."""
+    from hpctrain.fault.vote import Verdict
+    from hpctrain.train import loop
+    from hpctrain.train.state import TrainState
+    from tests.unit.test_step_modes import _context  # the tiny DDPM's context, which has outputs
+
+    ctx = _context(tmp_path, monkeypatch, "log.outputs_every_steps=3", "eval.every_steps=0", "train.max_steps=6")
+    made: list[int] = []
+    monkeypatch.setattr(ctx.experiment, "outputs", lambda model, out: made.append(out.step))
+    saved: list[dict] = []
+    ctx.checkpointer = type("Saves", (), {"save": lambda self, state, *a, **k: saved.append(dict(state))})()
+    collect = ctx.fault.vote.collect
+    monkeypatch.setattr(ctx.fault.vote, "collect",
+                        lambda: Verdict(15, False) if ctx.state.step == 3 else collect())
+    result = loop.train(ctx)
+    assert result.stop_signal == 15 and ctx.state.step == 3 and made == []
+    assert saved[-1]["outputs_pending"] and not saved[-1]["eval_pending"]
+    ctx.state = TrainState.from_dict(saved[-1])  # as a resume reads it
+    monkeypatch.setattr(ctx.fault.vote, "collect", collect)
+    loop.train(ctx)
+    assert made == [3, 6] and ctx.state.step == 6

@@ -48,6 +48,10 @@ def train(ctx: TrainContext) -> LoopResult:
         ctx.state.eval_pending = False
         if ctx.val_loader is not None:
             last_val, val_step = validate(ctx), ctx.state.step
+    if ctx.state.outputs_pending:  # then the outputs it skipped, as after_step orders them
+        ctx.state.outputs_pending = False
+        if has_outputs(ctx.experiment):
+            make_outputs(ctx, final=ctx.state.step == ctx.total_steps)
     while ctx.state.step < ctx.end_step:
         # The sampler restarts at the saved position; set before iter() because loader
         # workers never see the sampler, only the indices it yields in this process.
@@ -74,7 +78,8 @@ def after_step(ctx: TrainContext, window: "_Window", epoch_ended: bool) -> tuple
     verdict = fault.vote.collect()  # cast one boundary ago: the same verdict on every rank
     leaving = step >= ctx.end_step
     if verdict.stop_signal and not leaving:
-        return None, stop_with_checkpoint(ctx, window, verdict.stop_signal, eval_due(ctx, epoch_ended))
+        return None, stop_with_checkpoint(ctx, window, verdict.stop_signal, eval_due(ctx, epoch_ended),
+                                          outputs_due(ctx, epoch_ended))
     if step % cfg.log.every_steps == 0 or step in (total, ctx.end_step):
         log_train(ctx, window)
     # A stop signal at the last step: the run ends here anyway (exit 0, no requeue), but its checkpoint comes
@@ -163,15 +168,18 @@ def eval_due(ctx: TrainContext, epoch_ended: bool) -> bool:
     return ctx.val_loader is not None and (step == ctx.total_steps or (every and step % every == 0) or (not every and epoch_ended))
 
 
-def stop_with_checkpoint(ctx: TrainContext, window: "_Window", stop_signal: int, skipped_eval: bool) -> int:
+def stop_with_checkpoint(ctx: TrainContext, window: "_Window", stop_signal: int, skipped_eval: bool,
+                         skipped_outputs: bool = False) -> int:
     """A stop signal: the checkpoint first and nothing that resuming does not need. Slurm's grace after
     SIGTERM (KillWait) is often 30 s, and a validation pass or a plot before the save can outlast it."""
     log_train(ctx, window)  # one small all-reduce: the loss of the steps since the last line is not lost
-    ctx.state.eval_pending = skipped_eval  # in the checkpoint: the resumed run validates this step first
+    # In the checkpoint: the resumed run validates this step and makes its outputs first.
+    ctx.state.eval_pending, ctx.state.outputs_pending = skipped_eval, skipped_outputs
     _save(ctx, wait=True)  # the job exits only with it on disk
-    if skipped_eval and ctx.runtime.is_main:
-        log.warning("validation due at step %d skipped: stopping (the resumed run validates step %d first)",
-                    ctx.state.step, ctx.state.step)
+    skipped = [what for what, due in (("validation", skipped_eval), ("outputs", skipped_outputs)) if due]
+    if skipped and ctx.runtime.is_main:
+        log.warning("%s due at step %d skipped: stopping (the resumed run catches up at step %d first)",
+                    " and ".join(skipped), ctx.state.step, ctx.state.step)
     report_skipped_samples(ctx, ctx.state.epoch)
     return stop_signal
 

@@ -30,6 +30,9 @@ class TrainState:
     eval_pending: bool = False
     """A stop signal at an eval step saved this checkpoint instead of validating: the resumed run validates this step
     first, so a preempted run's records equal an uninterrupted one's."""
+    outputs_pending: bool = False
+    """The same for the experiment's outputs (samples, figures) due at the stop's step: the resumed run makes them
+    first, after the pending validation."""
 
     def advance(self, global_batch_size: int, steps_per_epoch: int) -> None:
         self.step += 1
@@ -46,7 +49,8 @@ class TrainState:
     def from_dict(cls, data: dict[str, Any]) -> "TrainState":
         known = {k: int(data[k]) for k in ("step", "epoch", "step_in_epoch", "samples_seen")}
         return cls(**known, global_batch_size=int(data.get("global_batch_size", 0)),
-                   data_order=str(data.get("data_order", "")), eval_pending=bool(data.get("eval_pending", False)))
+                   data_order=str(data.get("data_order", "")), eval_pending=bool(data.get("eval_pending", False)),
+                   outputs_pending=bool(data.get("outputs_pending", False)))
 
 
 def read_state(path: Path) -> TrainState | None:
