@@ -18,7 +18,8 @@ torch thread (one core), --samples training samples of the experiment's own data
                         crop, resize and flip it (Encoded and encoded_crop_flip); the JPEG goes to nvJPEG as bytes
   collate               stacking a batch of --batch samples into the batch tensors (per image)
 
-and then the loader itself (hpctrain's build_loader: worker processes; pinned memory where a GPU is) over the
+and then the loader itself (hpctrain's build_loader: worker processes; a CPU runtime, so no pinned memory, which
+hpctrain's loader adds for GPU runs: a copy per batch in the main process) over the
 cpu-decode path with each --workers count and over the gpu-decode path with one worker, images/s over an epoch of the training split in batches of --loader-batch (after each
 worker's first batch), so the per-core rate is checked against what processes, pipes and pinning deliver. A worker count above the machine's cores measures sharing.
 
@@ -111,7 +112,7 @@ PATHS = {"cpu-decode": False, "gpu-decode, CPU share": True}
 
 
 def loader_rate(shards: Path, size: int, workers: int, batch: int, gpu_decode: bool = False) -> float:
-    """Images/s of hpctrain's training loader on one path (pinned memory on a GPU node) over one epoch, after each
+    """Images/s of hpctrain's training loader on one path (not pinned: a CPU runtime) over one epoch, after each
     worker's first batch (its start-up and first-sample warm-up are not the steady rate)."""
     import dataclasses
 

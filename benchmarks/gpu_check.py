@@ -336,8 +336,9 @@ SHARDING_NEEDS_2 = ("needs 2 GPUs: zero1 and fsdp shard over ranks, and NCCL ref
 
 
 def _faceseg_decode(ctx: Context) -> list[str]:
-    """benchmarks/faceseg_decode.py over the quick check's faces (the same --workdir and count: shards made by
-    faceseg-throughput are reused), the loader at 1 to 12 workers."""
+    """benchmarks/faceseg_decode.py over the quick check's faces (the same --workdir and count: under --quick the
+    shards faceseg-throughput made are reused; the full check's faceseg-throughput makes its own, so this stage
+    generates them), the loader at 1 to 12 workers."""
     return [ctx.python, "benchmarks/faceseg_decode.py", "--faces", str(QUICK_FACES), "--workdir", _faces_dir(ctx),
             "--workers", "1", "2", "4", "8", "12", "--json", str(ctx.out / "faceseg-decode.json")]
 

@@ -3,8 +3,8 @@ step of hpctrain's own step (train/step.py) on the DDPM reference U-Net. Prints 
 
     python benchmarks/step_ops.py [--compile] [--micro 2] [--smoke] [--json PATH]
 
-On a GPU each operator that is not a view launches one or more kernels, at ~8 us of host time each on the H100 we
-measured (BENCHMARKS.md): the count is what a host-bound step pays for, and it does not depend on the batch, so it
+On a GPU most operators that are not views launch one or more kernels (allocations such as empty_strided do not),
+at ~8 us of host time each on the H100 of issue 26's probe: the count is what a host-bound step pays for, and it does not depend on the batch, so it
 is counted here, where no GPU is, at a small micro batch. Counted below autograd with a TorchDispatchMode (so the
 backward's operators are in, and composite operators appear as what they decompose into), over one whole call of
 the step (the batch cut from the on-device data, forward, backward, clipping, the fused AdamW, the scheduler, the
@@ -91,7 +91,7 @@ def _null():
     return contextlib.nullcontext()
 
 
-def context(mode: str, micro: int, smoke: bool, run_dir: str):
+def context(mode: str, micro: int, smoke: bool, run_dir: str, extra: tuple[str, ...] = ()):
     from hpctrain.dist.runtime import single_process_runtime
     from hpctrain.train import run
     from hpctrain.train.entry import resolve
@@ -102,7 +102,7 @@ def context(mode: str, micro: int, smoke: bool, run_dir: str):
                  "train.precision=bf16", f"train.channels_last={channels_last}",
                  f"train.step_mode={'compiled' if mode == 'compiled' else 'eager'}",
                  f"train.global_batch_size={micro}", f"train.micro_batch_size={micro}", "train.max_steps=1000",
-                 "log.progress=off", "log.tensorboard=false", f"run.dir={run_dir}", *(SMOKE if smoke else ())]
+                 "log.progress=off", "log.tensorboard=false", f"run.dir={run_dir}", *(SMOKE if smoke else ()), *extra]
     cls, cfg = resolve("ddpm_cifar10", None, tuple(overrides))
     build = run.build_optimizer
     # The fused optimizer, as a GPU run builds it (on the CPU hpctrain builds the foreach one).
@@ -118,10 +118,10 @@ class _Window:
     lr, data_wait = 0.0, 0.0
 
 
-def count_step(mode: str, micro: int, smoke: bool, warmup: int) -> dict[str, Any]:
-    """The operators of the step after ``warmup`` steps (graphed: after its capture)."""
+def count_step(mode: str, micro: int, smoke: bool, warmup: int, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The operators of the step after ``warmup`` steps (graphed: after its capture); ``extra``: config overrides."""
     with tempfile.TemporaryDirectory() as run_dir:
-        ctx = context(mode, micro, smoke, run_dir)
+        ctx = context(mode, micro, smoke, run_dir, extra)
         ctx.sampler.set_position(0, 0)
         batches = iter(ctx.train_loader)
         for _ in range(warmup + (2 if mode == "graphed" else 0)):  # graphed: its eager step, then the capture
@@ -130,6 +130,7 @@ def count_step(mode: str, micro: int, smoke: bool, warmup: int) -> dict[str, Any
         with OpCounter() as counter:
             ctx.stepper(ctx, batches, _Window())
         out = counter.summary()
+        out["counts"] = dict(counter.ops)
         if mode == "graphed":
             out["in_graph"] = StandInGraph.captured["launching"]
             out["graph_launches"] = 1
@@ -181,7 +182,7 @@ ROWS = {"eager": "eager (channels_last)", "eager-nchw": "eager NCHW", "compiled"
 
 
 def render(results: dict[str, dict[str, Any]], head: list[str]) -> str:
-    lines = head + ["", "| step | aten ops | of them views | launching (not views) | copies | in the graph | "
+    lines = head + ["", "| step | aten ops | of them views | not views | copies | in the graph (not views) | "
                         "most frequent |", "|---|---:|---:|---:|---:|---:|---|"]
     for mode, r in results.items():
         graph = f"{r['in_graph']:,} (1 launch)" if "in_graph" in r else ""

@@ -151,6 +151,9 @@ def test_uint8_images_are_resized_by_the_uint8_kernel_within_one_level_of_the_fl
     assert fast.dtype == torch.uint8 and fast.shape == (3, 64, 64)
     assert (fast.int() - slow.round().clamp(0, 255).int()).abs().max() <= 1
     assert resize_bilinear(crop.float(), 64).dtype == torch.float32
+    gray = image[:1].expand(3, -1, -1)  # a grayscale face as _rgb makes it: stride 0 over the channels
+    assert torch.equal(resize_bilinear(gray, 64), resize_bilinear(gray.contiguous(), 64))
+    assert resize_bilinear(image[:1], 64).shape == (1, 64, 64)
     labels = torch.randint(0, 19, (1, 30, 30), dtype=torch.uint8)
     for dtype in (torch.uint8, torch.int64):
         out = resize_nearest(labels.to(dtype), 64)

@@ -6,6 +6,7 @@ real one."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import logging
 import math
@@ -17,7 +18,7 @@ import torch
 
 from hpctrain.dist.runtime import single_process_runtime
 from hpctrain.monitor import gpu_busy
-from hpctrain.monitor.gpu_busy import HOST_BOUND, NvmlBusy, host_bound, host_bound_advice, open_meter
+from hpctrain.monitor.gpu_busy import HOST_BOUND, NvmlBusy, StepFacts, host_bound, host_bound_advice, open_meter
 from hpctrain.monitor.report import observations, summary_facts, load_run, write_report
 from hpctrain.train import loop
 
@@ -32,6 +33,9 @@ class FakeNvml:
     NVML_GPU_UTILIZATION_SAMPLES = 1
 
     class NVMLError(Exception):
+        pass
+
+    class NVMLError_NotFound(NVMLError):  # noqa: N801 - pynvml's name
         pass
 
     def __init__(self, kind: int = 1, fail_init: bool = False) -> None:
@@ -50,7 +54,7 @@ class FakeNvml:
         assert handle == "handle" and kind == self.NVML_GPU_UTILIZATION_SAMPLES
         fresh = [(t, v) for t, v in self.samples if t > since]
         if not fresh:
-            raise self.NVMLError("Not Found")  # what NVML answers when no sample is newer than `since`
+            raise self.NVMLError_NotFound("Not Found")  # NVML's answer when no sample is newer than `since`
         out = []
         for t, v in fresh:
             value = _Value()
@@ -90,32 +94,66 @@ def test_no_meter_on_the_cpu_and_a_reason_where_nvml_is_missing(monkeypatch):
     assert missing.meter is None and "pip install nvidia-ml-py" in missing.why_not
     monkeypatch.setattr("hpctrain.dist.gpu_identity.device_identity", lambda device: "GPU-1234")
     broken = open_meter(torch.device("cuda", 0), nvml=FakeNvml(fail_init=True))
-    assert broken.meter is None and "NVML gives no utilisation samples here (NVML Shared Library" in broken.why_not
+    assert broken.meter is None and "NVML has no handle for this GPU (NVML Shared Library" in broken.why_not
 
 
-def test_the_meter_finds_the_gpu_by_its_uuid_not_an_index(monkeypatch):
+def test_the_meter_finds_the_gpu_by_its_uuid_and_waits_for_samples(monkeypatch):
     monkeypatch.setattr("hpctrain.dist.gpu_identity.device_identity", lambda device: f"GPU-of-{device.index}")
-    nvml = FakeNvml()
-    nvml.samples += [(5, 100)]  # the first call asks from 0: older samples exist and are not the first window's
+    nvml = FakeNvml()  # no sample yet (an idle GPU's buffer can be empty): NOT_FOUND, not "unsupported"
     found = open_meter(torch.device("cuda", 3), nvml=nvml)
-    assert found.why_not == "" and nvml.uuid == "GPU-of-3"
+    assert found.meter is not None and found.why_not == "" and nvml.uuid == "GPU-of-3"
+
+    class Unsupported(FakeNvml):
+        def nvmlDeviceGetSamples(self, handle, kind, since):
+            raise self.NVMLError("Not Supported")
+
+    refused = open_meter(torch.device("cuda", 0), nvml=Unsupported())
+    assert refused.meter is None and "no utilisation samples here (Not Supported)" in refused.why_not
 
 
 def test_host_bound_needs_an_idle_gpu_and_a_loader_that_kept_up():
-    assert host_bound(0.5, 0.05, 0.25)
-    assert not host_bound(0.5, 0.4, 0.25)  # the loader's: its own warning
-    assert not host_bound(HOST_BOUND, 0.0, 0.25) and not host_bound(None, 0.0, 0.25)
+    assert host_bound(0.5, 0.05)
+    assert not host_bound(0.5, 0.4)  # the loader's: its own warning
+    assert not host_bound(HOST_BOUND, 0.0) and not host_bound(None, 0.0)
 
 
-def test_the_advice_fits_the_step_that_runs():
-    eager = host_bound_advice("eager", distributed=False, compiled=False, micro_batch=16)
-    assert "train.step_mode=auto (or graphed)" in eager and "train.compile=true" in eager and "(now 16;" in eager
-    compiled = host_bound_advice("compiled", distributed=False, compiled=True, micro_batch=16)
-    assert "train.compile" not in compiled
-    ddp = host_bound_advice("eager", distributed=True, compiled=False, micro_batch=64)
-    assert "train.step_mode=graphed captures the whole step, DDP's all-reduce included" in ddp
-    graphed = host_bound_advice("graphed", distributed=False, compiled=True, micro_batch=64)
-    assert "already one CUDA graph replay" in graphed and "step_mode" not in graphed
+def test_the_advice_suggests_only_what_the_run_could_change_to():
+    one_gpu = StepFacts("eager", "", distributed=False, can_compile=True, grad_accum=1, micro_batch=16)
+    eager = host_bound_advice(one_gpu)
+    assert eager.startswith("Try: train.step_mode=auto (or graphed) captures the whole step")
+    assert "train.compile=true" in eager and "(micro batch 16, no accumulation" in eager
+    compiled = host_bound_advice(dataclasses.replace(one_gpu, mode="compiled", grad_accum=4))
+    assert "train.compile" not in compiled and "(now 16, with 4 accumulation steps" in compiled
+    fell_back = host_bound_advice(dataclasses.replace(one_gpu, capture_refusal="BatchInfo.step read inside"))
+    assert "cannot be captured as a CUDA graph here (BatchInfo.step read inside). Try: train.compile" in fell_back
+    assert "step_mode=auto" not in fell_back
+    fsdp = host_bound_advice(StepFacts("eager", "dist.strategy=fsdp over 2 processes is not captured yet", True,
+                                       can_compile=False, grad_accum=1, micro_batch=8))
+    assert "train.compile" not in fsdp and "step_mode=graphed" not in fsdp
+    ddp = host_bound_advice(StepFacts("eager", "", True, True, 2, 64))
+    assert "DDP's all-reduce included (opt-in: it has not yet run on several GPUs)" in ddp
+    graphed = host_bound_advice(dataclasses.replace(one_gpu, mode="graphed"))
+    assert graphed.startswith("The step is already one CUDA graph replay") and "step_mode" not in graphed
+
+
+def test_step_facts_read_the_step_that_runs_and_what_it_could_be():
+    from hpctrain.train.precision import Precision
+    from tests.unit.test_step_modes import BF16, _cfg, _runtime
+
+    def ctx(cfg, stepper=None, device="cuda:0", precision=BF16):
+        return SimpleNamespace(cfg=cfg, runtime=_runtime(device), precision=precision, stepper=stepper or object(),
+                               experiment=SimpleNamespace(graphable=True),
+                               plan=SimpleNamespace(grad_accum=2, micro_batch_size=32))
+
+    explicit = loop.step_facts(ctx(_cfg("train.step_mode=compiled")))
+    assert explicit.mode == "compiled" and explicit.capture_refusal == ""  # not only train.compile=true
+    fell_back = loop.step_facts(ctx(_cfg(), SimpleNamespace(graph=None, failed="the batch holds object")))
+    assert fell_back.mode == "eager" and fell_back.capture_refusal == "the batch holds object"
+    assert loop.step_facts(ctx(_cfg(), SimpleNamespace(graph=object(), failed=""))).mode == "graphed"
+    fp16 = Precision("fp16", torch.float16, "cuda")
+    assert "GradScaler" in loop.step_facts(ctx(_cfg("train.precision=fp16"), precision=fp16)).capture_refusal
+    assert not loop.step_facts(ctx(_cfg("dist.strategy=fsdp"))).can_compile
+    assert (loop.step_facts(ctx(_cfg(), device="cpu")).grad_accum, loop.step_facts(ctx(_cfg())).micro_batch) == (2, 32)
 
 
 # ---- in the training log ---------------------------------------------------------------------------------------
@@ -129,14 +167,17 @@ class Recorder:
 
 
 def _ctx(stepper=None):
-    cfg = SimpleNamespace(train=SimpleNamespace(compile=False))
-    return SimpleNamespace(runtime=single_process_runtime(torch.device("cpu")), cfg=cfg, metrics=Recorder(),
+    from tests.unit.test_step_modes import BF16, _cfg
+
+    return SimpleNamespace(runtime=single_process_runtime(torch.device("cpu")), cfg=_cfg(), metrics=Recorder(),
                            state=SimpleNamespace(step=0, epoch=0), total_steps=100, stepper=stepper or object(),
-                           plan=SimpleNamespace(global_batch_size=32, micro_batch_size=32), train_loader=None)
+                           plan=SimpleNamespace(global_batch_size=32, micro_batch_size=32, grad_accum=1),
+                           train_loader=None, precision=BF16, experiment=SimpleNamespace(graphable=True))
 
 
-def _windows(ctx, busy: list[float], wait: float = 0.0) -> None:
-    """One log window per value: the meter reports it; the ranks waited ``wait`` of each window for batches."""
+def _windows(ctx, busy: list[float], wait: float = 0.0, disturbed: frozenset = frozenset()) -> None:
+    """One log window per value: the meter reports it; the ranks waited ``wait`` of each window for batches;
+    the windows numbered in ``disturbed`` had other work in them (a validation, a checkpoint)."""
     nvml = FakeNvml()
     window = loop._Window(0, NvmlBusy(nvml, "handle"))
     t = 0
@@ -148,6 +189,7 @@ def _windows(ctx, busy: list[float], wait: float = 0.0) -> None:
         window.add(torch.tensor(1.0), None)
         window.data_wait = wait * 0.05
         window.started -= 0.05  # each window lasts at least 50 ms
+        window.disturbed |= len(ctx.metrics.records) in disturbed
         loop.log_train(ctx, window)
 
 
@@ -155,10 +197,20 @@ def test_the_log_records_gpu_busy_and_warns_once_when_the_host_sets_the_pace(cap
     ctx = _ctx()
     with caplog.at_level(logging.WARNING, logger="hpctrain"):
         _windows(ctx, [0.3, 0.6, 0.5])
-    assert [r["gpu_busy"] for r in ctx.metrics.records] == pytest.approx([0.3, 0.6, 0.5], abs=0.01)
+    # The launch's first window (warm-up, compilation, capture) has no number; then each window its own.
+    assert [r.get("gpu_busy") for r in ctx.metrics.records] == [None, pytest.approx(0.6), pytest.approx(0.5)]
     warnings = [r.getMessage() for r in caplog.records if "host limits" in r.getMessage()]
-    assert len(warnings) == 1  # not for the launch's first window (warm-up, compilation), then once
-    assert "ran kernels 60% of it" in warnings[0] and "train.step_mode=auto" in warnings[0]
+    assert len(warnings) == 1  # once per launch
+    assert "ran kernels 60% of it" in warnings[0]
+    assert "cannot be captured as a CUDA graph here (CUDA graphs need a GPU" in warnings[0]  # this test's CPU
+
+
+def test_a_window_with_more_than_steps_in_it_has_no_number_and_no_warning(caplog):
+    ctx = _ctx()
+    with caplog.at_level(logging.WARNING, logger="hpctrain"):
+        _windows(ctx, [0.3, 0.4, 0.5], disturbed=frozenset({1}))  # e.g. a validation ran in the second window
+    assert [r.get("gpu_busy") for r in ctx.metrics.records] == [None, None, pytest.approx(0.5)]
+    assert "ran kernels 50% of it" in caplog.text
 
 
 def test_no_host_warning_for_a_busy_gpu_or_a_waiting_loader(caplog):
@@ -191,7 +243,7 @@ def _run(tmp_path, busy: float, wait: float):
     run.mkdir(parents=True)
     records = [{"step": 10 * i, "split": "train", "loss": 1.0, "samples_per_s": 100.0, "gpu_busy": busy,
                 "data_wait_frac": wait, "time": i} for i in range(1, 6)]
-    records[0]["gpu_busy"] = 0.05  # a launch's first window: the median does not follow it
+    records[0]["gpu_busy"] = 0.05  # an odd window: the median does not follow it
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return run
 

@@ -44,7 +44,7 @@ def resize_bilinear(image: torch.Tensor, size: int) -> torch.Tensor:
     A uint8 image on the CPU goes through torch's own uint8 kernel (vectorised, fixed point), not through float:
     a 220 px crop of a 3-channel face to 256 px takes 0.87 ms instead of 3.5 ms on one core, and the result is
     within one intensity level of the float path's (benchmarks/faceseg_decode.py: it was most of a face's loader
-    cost)."""
+    cost). The fast kernel is torch's x86 (AVX2) one; other CPUs (aarch64) run a generic uint8 kernel: measure there."""
     if image.dtype == torch.uint8 and image.device.type == "cpu":
         return F.interpolate(image[None], size=(size, size), mode="bilinear", align_corners=False, antialias=True)[0]
     out = F.interpolate(image[None].float(), size=(size, size), mode="bilinear", align_corners=False, antialias=True)[0]

@@ -17,22 +17,23 @@ The bindings are NVIDIA's own (nvidia-ml-py, imported as pynvml), loaded only on
 
 from __future__ import annotations
 
-import logging
 import statistics
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-log = logging.getLogger("hpctrain")
+if TYPE_CHECKING:  # `hpctrain report` imports this module: it must not pay for torch's import
+    import torch
 
 HOST_BOUND = 0.80
 """A window whose GPU ran kernels less than this fraction of the time, without waiting for the loader, was set by
-the host (launching kernels, Python, autograd). A rule of thumb: a profile of the eager DDPM step on one H100 at
-batch 128 found 48 ms of kernels in a 68 ms step (70%; less at the reference micro batch 64, whose step takes as
-long); a step bound by the GPU leaves it idle only between steps."""
+the host (launching kernels, Python, autograd). A rule of thumb: issue 26's profile of the eager DDPM step on one H100
+at batch 128 found ~48 ms of kernels in a ~65-68 ms step (about 70%; less at the reference micro batch 64, whose step
+takes as long); a step bound by the GPU leaves it idle only between steps."""
+LOADER_BOUND = 0.25
+"""Ranks wait this fraction of a window for batches: the loader, not the model, sets the pace."""
 MIN_SAMPLES = 2
-"""Fewer samples in a window (a window shorter than about two sampling periods) give no number."""
+"""Fewer samples in a window (a window shorter than about two sampling periods) give no number. NVML keeps about a
+hundred samples: a window longer than that many sampling periods (~16 s at 1/6 s) is measured by its last part."""
 
 # nvmlValueType_t -> the member of nvmlValue_t holding the sample (utilisation samples are unsigned ints).
 _VALUE_FIELDS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
@@ -79,7 +80,7 @@ class BusyMeter:
     why_not: str = ""
 
 
-def open_meter(device: torch.device, nvml: Any = None) -> BusyMeter:
+def open_meter(device: "torch.device", nvml: Any = None) -> BusyMeter:
     """The meter for this rank's GPU, found by its UUID (NVML's own indices need not be CUDA's)."""
     if device.type != "cuda":
         return BusyMeter(None, "")
@@ -93,33 +94,55 @@ def open_meter(device: torch.device, nvml: Any = None) -> BusyMeter:
     try:
         nvml.nvmlInit()
         handle = nvml.nvmlDeviceGetHandleByUUID(device_identity(device))
-        meter = NvmlBusy(nvml, handle)
+    except nvml.NVMLError as err:  # no driver library, no permission; a MIG instance's UUID: NOT_FOUND here
+        return BusyMeter(None, f"NVML has no handle for this GPU ({err}; MIG instances have no utilisation samples)")
+    try:
         nvml.nvmlDeviceGetSamples(handle, nvml.NVML_GPU_UTILIZATION_SAMPLES, 0)
-    except nvml.NVMLError as err:  # no driver library, a MIG instance (NOT_SUPPORTED), no permission
-        return BusyMeter(None, f"NVML gives no utilisation samples here ({err})")
-    return BusyMeter(meter)
+    except nvml.NVMLError as err:
+        # NOT_FOUND: no sample yet (an idle GPU's buffer can be empty): the windows will have them.
+        if not isinstance(err, getattr(nvml, "NVMLError_NotFound", ())):
+            return BusyMeter(None, f"NVML gives no utilisation samples here ({err})")
+    return BusyMeter(NvmlBusy(nvml, handle))
 
 
-def host_bound(busy: float | None, data_wait_frac: float, loader_bound: float) -> bool:
+def host_bound(busy: float | None, data_wait_frac: float) -> bool:
     """The GPU idled without waiting for the loader: the host's launching set the pace."""
-    return busy is not None and busy < HOST_BOUND and data_wait_frac < loader_bound
+    return busy is not None and busy < HOST_BOUND and data_wait_frac < LOADER_BOUND
 
 
-def host_bound_advice(mode: str, distributed: bool, compiled: bool, micro_batch: int) -> str:
-    """What to try, from what the run does now (mode: the step that runs: eager, compiled or graphed)."""
-    bigger = (f"a larger train.micro_batch_size (now {micro_batch}; with the same global batch, fewer accumulation "
-              "steps) gives each launch more work")
-    if mode == "graphed":
-        return (f"The step is already one CUDA graph replay: the host's work between replays (batch copies, the "
-                f"loader, logging) sets the pace; {bigger}, or keep the data on the GPU (data.on_device=true).")
-    return f"{fewer_launches(distributed, compiled)}; {bigger}."
+@dataclass(frozen=True)
+class StepFacts:
+    """What a run does now, for host_bound_advice: only what it could change to is suggested."""
+
+    mode: str
+    """The step that runs: graphed (replaying a graph), compiled or eager."""
+    capture_refusal: str
+    """Why the step cannot be captured in this run ('' when it can: graph_refusal, or an auto fallback's reason)."""
+    distributed: bool
+    can_compile: bool
+    """train.compile is allowed (not under dist.strategy=fsdp)."""
+    grad_accum: int
+    micro_batch: int
 
 
-def fewer_launches(distributed: bool, compiled: bool) -> str:
-    """The step modes that launch fewer kernels per step than the one a run has."""
-    if distributed:
-        capture = ("train.step_mode=graphed captures the whole step, DDP's all-reduce included (opt-in over several "
-                   "GPUs; dist.strategy=ddp, bf16)")
+def host_bound_advice(f: StepFacts) -> str:
+    """What to try, from what the run does now."""
+    if f.mode == "graphed":
+        tips = ["The step is already one CUDA graph replay: the host's work between replays (batch copies, the loader, "
+                "logging) sets the pace. Try: keep the data on the GPU (data.on_device=true)"]
+    elif f.capture_refusal:
+        tips = [f"The step cannot be captured as a CUDA graph here ({f.capture_refusal}). Try"]
+    elif f.distributed:
+        tips = ["Try: train.step_mode=graphed captures the whole step, DDP's all-reduce included (opt-in: it has not "
+                "yet run on several GPUs)"]
     else:
-        capture = "train.step_mode=auto (or graphed) captures the whole step as one CUDA graph (bf16)"
-    return capture if compiled else f"{capture}; train.compile=true fuses the model's kernels (fewer launches)"
+        tips = ["Try: train.step_mode=auto (or graphed) captures the whole step as one CUDA graph"]
+    if f.mode == "eager" and f.can_compile:
+        tips.append("train.compile=true fuses the model's kernels (fewer launches)")
+    if f.grad_accum > 1:
+        tips.append(f"a larger train.micro_batch_size (now {f.micro_batch}, with {f.grad_accum} accumulation steps: "
+                    "fewer of them for the same global batch) gives each launch more work")
+    else:
+        tips.append(f"each launch does more work with a larger batch (micro batch {f.micro_batch}, no accumulation: "
+                    "that means a larger train.global_batch_size, a change of the recipe)")
+    return "; ".join(tips).replace("Try; ", "Try: ") + "."

@@ -19,7 +19,7 @@ from pathlib import Path
 from hpctrain.errors import UserError
 from hpctrain.metrics.plots import plot_loss
 from hpctrain.metrics.records import metric_values, read_metrics, series
-from hpctrain.monitor.gpu_busy import HOST_BOUND, fewer_launches
+from hpctrain.monitor.gpu_busy import HOST_BOUND, LOADER_BOUND
 from hpctrain.monitor.parse import DmonTable, TopSeries, node_logs, parse_dmon, parse_parsable, parse_top
 
 GPU_PANELS = (("sm", "GPU utilisation (SM busy, %)"), ("mem", "memory bandwidth utilisation (%)"),
@@ -122,12 +122,13 @@ def busy_observations(facts: dict) -> list[str]:
     if math.isnan(busy) or busy >= HOST_BOUND:
         return []
     share = f"The GPUs ran kernels {busy:.0%} of the training time (NVML, median of the log windows)"
-    if not math.isnan(wait) and wait >= 0.25:
+    if not math.isnan(wait) and wait >= LOADER_BOUND:
         return [f"{share}, and the ranks waited {wait:.0%} of it for batches: the data loader set the pace "
                 "(more data.num_workers, pre-resized shards, or data.on_device=true)."]
-    return [f"{share} while the loader kept up: the host (kernel launches, Python, autograd) set the pace. Unless "
-            f"the run was already graphed: {fewer_launches(distributed=False, compiled=False)}; with several GPUs, "
-            "train.step_mode=graphed; a larger train.micro_batch_size gives each launch more work."]
+    return [f"{share} while the loader kept up: the host (kernel launches, Python, autograd) set the pace. The "
+            "training log's warning says what to try for the run's own step; in general: capture the step as a CUDA "
+            "graph (train.step_mode=auto in one process, graphed over several GPUs), compile the model "
+            "(train.compile=true), give each launch more work (a larger micro batch)."]
 
 
 def _plot_overview(data: RunData, out: Path) -> Path:

@@ -14,7 +14,7 @@ from hpctrain.checkpoint.policy import save_due
 from hpctrain.dist.collectives import all_reduce_sums, broadcast_buffers
 from hpctrain.dist.wrap import fsdp_of, place_model
 from hpctrain.experiments.base import has_outputs
-from hpctrain.monitor.gpu_busy import host_bound, host_bound_advice, open_meter
+from hpctrain.monitor.gpu_busy import LOADER_BOUND, StepFacts, host_bound, host_bound_advice, open_meter
 from hpctrain.train.context import TrainContext
 from hpctrain.train.evaluate import evaluate
 from hpctrain.train.optim import base_lr
@@ -57,6 +57,7 @@ def train(ctx: TrainContext) -> LoopResult:
         # workers never see the sampler, only the indices it yields in this process.
         ctx.sampler.set_position(ctx.state.epoch, ctx.state.step_in_epoch)
         batches = iter(ctx.train_loader)
+        window.disturbed = True  # the loader's pipeline fills again
         epoch = ctx.state.epoch
         while ctx.state.step < ctx.end_step and ctx.state.epoch == epoch:
             window.lr = base_lr(ctx.optimizer)  # the rate this step uses; the scheduler moves it after
@@ -90,10 +91,14 @@ def after_step(ctx: TrainContext, window: "_Window", epoch_ended: bool) -> tuple
         if ctx.runtime.is_main:
             log.warning("stop signal at step %d, this launch's last: checkpoint saved, finishing normally", step)
     val = validate(ctx) if eval_due(ctx, epoch_ended) else None
-    if not saved_first and (save_due(step, total, cfg.ckpt.every_steps) or leaving or verdict.save_due):
+    saving = not saved_first and (save_due(step, total, cfg.ckpt.every_steps) or leaving or verdict.save_due)
+    if saving:
         _save(ctx, wait=leaving)  # the last save is waited for: a finished run exits only with it on disk
-    if outputs_due(ctx, epoch_ended):
+    making = outputs_due(ctx, epoch_ended)
+    if making:
         make_outputs(ctx, final=step == total)
+    # The next log window holds this work too: its GPU time is not the step's (no host-bound verdict on it).
+    window.disturbed |= bool(val is not None or saving or making)
     if epoch_ended or leaving:
         report_skipped_samples(ctx, ctx.state.epoch - 1 if epoch_ended else ctx.state.epoch)
     if leaving:
@@ -207,7 +212,9 @@ def report_skipped_samples(ctx: TrainContext, epoch: int) -> None:
 
 def log_train(ctx: TrainContext, window: "_Window") -> None:
     """The logged loss is the mean over all ranks and all steps since the last log: one all-reduce, only here."""
-    busy = window.busy.read() if window.busy is not None else None  # this rank's GPU, since the window began
+    # This rank's GPU since the window began; a window with more than training steps in it has no number.
+    busy = window.busy.read() if window.busy is not None else None
+    busy = None if window.disturbed or window.first_step == window.launch_step else busy
     stats = {"loss": window.loss_sum, "n": float(window.steps), "wait": window.data_wait,
              "busy": busy or 0.0, "busy_n": float(busy is not None)}
     sums = all_reduce_sums(stats, ctx.runtime)
@@ -235,9 +242,6 @@ def log_train(ctx: TrainContext, window: "_Window") -> None:
     window.reset(ctx.state.step)
 
 
-LOADER_BOUND = 0.25  # ranks wait this fraction of the time for batches: the loader, not the model, sets the pace
-
-
 def _warn_if_loader_bound(ctx: TrainContext, window: "_Window", wait_frac: float) -> None:
     # The first window after a (re)start holds the workers' start-up and the first prefetch: not evidence.
     if wait_frac < LOADER_BOUND or window.first_step == window.launch_step or window.warned_loader_bound:
@@ -249,24 +253,26 @@ def _warn_if_loader_bound(ctx: TrainContext, window: "_Window", wait_frac: float
 
 
 def _warn_if_host_bound(ctx: TrainContext, window: "_Window", wait_frac: float, busy: float | None) -> None:
-    if window.first_step == window.launch_step or window.warned_host_bound:  # warm-up, compilation, capture
-        return
-    if not host_bound(busy, wait_frac, LOADER_BOUND):
+    if window.warned_host_bound or not host_bound(busy, wait_frac):  # busy: None for a disturbed window
         return
     window.warned_host_bound = True
     if ctx.runtime.is_main:
-        advice = host_bound_advice(running_mode(ctx), ctx.runtime.distributed, ctx.cfg.train.compile,
-                                   ctx.plan.micro_batch_size)
+        advice = host_bound_advice(step_facts(ctx))
         log.warning("the host limits the step time: the GPU ran kernels %.0f%% of it (NVML's utilisation, the mean "
                     "of the ranks' GPUs) and the loader did not hold it up. %s", 100 * busy, advice)
 
 
-def running_mode(ctx: TrainContext) -> str:
-    """The step that runs now: graphed (replaying), compiled or eager."""
-    stepper = ctx.stepper
-    if getattr(stepper, "graph", None) is not None and not getattr(stepper, "failed", ""):
-        return "graphed"
-    return "compiled" if ctx.cfg.train.compile else "eager"
+def step_facts(ctx: TrainContext) -> StepFacts:
+    """What the run's step is and could be, for the host-bound advice."""
+    from hpctrain.train.step import graph_refusal
+
+    stepper, cfg = ctx.stepper, ctx.cfg
+    failed = getattr(stepper, "failed", "")
+    replaying = getattr(stepper, "graph", None) is not None and not failed
+    mode = "graphed" if replaying else "compiled" if cfg.train.compiled else "eager"
+    refusal = failed or graph_refusal(cfg, ctx.runtime, ctx.precision, ctx.experiment.graphable) or ""
+    return StepFacts(mode, refusal, ctx.runtime.distributed, cfg.dist.strategy != "fsdp", ctx.plan.grad_accum,
+                     ctx.plan.micro_batch_size)
 
 
 def loader_advice(loader) -> str:
@@ -300,6 +306,8 @@ class _Window:
         self.warned_loader_bound = self.warned_host_bound = False
         self.busy = busy
         """NvmlBusy for this rank's GPU (monitor/gpu_busy.py), or None."""
+        if busy is not None:
+            busy.mark()  # after this, each read() is the window since the previous one
         self.reset(step)
 
     def reset(self, step: int) -> None:
@@ -309,8 +317,9 @@ class _Window:
         self.grad_norm: torch.Tensor | None = None
         self.lr = 0.0
         self.data_wait = 0.0
-        if self.busy is not None:
-            self.busy.mark()
+        self.disturbed = False
+        """Something else than training steps ran in this window (validation, a checkpoint, outputs, the loader's
+        start, the graph's warm-up and capture): its GPU time says nothing about the step."""
 
     def add(self, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
         self.loss_sum = self.loss_sum + loss

@@ -384,6 +384,8 @@ class GraphedStep:
     def __call__(self, ctx, batches: Iterator, window) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.failed:
             return self.eager(ctx, batches, window)
+        if self.graph is None:
+            window.disturbed = True  # warm-up steps and the capture: not the replayed step's GPU time
         if self.graph is None and self.warmup_left > 0:
             self.warmup_left -= 1
             with self.graph_class.side_stream(self):
