@@ -419,8 +419,6 @@ QUICK: list[Stage] = [
                                              "--workdir",
                                              _faces_dir(ctx), "--json", str(ctx.out / "faceseg-throughput.json")],
           150, numbers=table_numbers),
-    # The node's CPU cores per GPU for the face-parsing data path (the faces above, reused): CPU only, ~30 s.
-    Stage("faceseg-decode", _faceseg_decode, 60, numbers=table_numbers),
     # The compiled model captured (the issue's goals' technique): about 80 s of compilation per batch size and loop
     # pair on an H100 node, so this one comes after the eager and graphed rows of both
     # experiments (the budget cuts it on a slow node).
@@ -429,6 +427,9 @@ QUICK: list[Stage] = [
                                                    "3", "--modes", "graphed-compiled", "--json",
                                                    str(ctx.out / "ddpm-throughput-compiled.json")], 300,
           numbers=table_numbers),
+    # The node's CPU cores per GPU for the face-parsing data path (faceseg-throughput's faces, reused): CPU only,
+    # about a minute; after the throughput rows, which are what the GPU is lent for.
+    Stage("faceseg-decode", _faceseg_decode, 90, numbers=table_numbers),
     Stage("checkpoint-stall", lambda ctx: [ctx.python, "benchmarks/checkpoint.py", "--repeats", "2", "--device", "cuda",
                                            "--dir", str(ctx.out)], 90, numbers=checkpoint_numbers),
     Stage("doctor-perf", _doctor_perf, 60, numbers=preflight_numbers),

@@ -150,6 +150,8 @@ def test_the_quick_check_is_ordered_by_value_and_fits_its_budget(gc):
     assert faces[faces.index("--workdir") + 1] == "/carried/faces" and faces[faces.index("--faces") + 1] == "2000"
     generated = gc.QUICK[2].command(gc.Context(Path("/r"), {"gpu_count": 1}, python="py"))
     assert generated[generated.index("--workdir") + 1] == "/r/faces"
+    decode = next(s for s in gc.QUICK if s.name == "faceseg-decode").command(ctx)  # the same faces, not new ones
+    assert decode[decode.index("--workdir") + 1] == "/carried/faces" and decode[decode.index("--faces") + 1] == "2000"
 
 
 def test_the_quick_check_without_cuda_skips_and_leaves_its_archive(tmp_path: Path, gc):
