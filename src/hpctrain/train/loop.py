@@ -57,7 +57,7 @@ def train(ctx: TrainContext) -> LoopResult:
         # workers never see the sampler, only the indices it yields in this process.
         ctx.sampler.set_position(ctx.state.epoch, ctx.state.step_in_epoch)
         batches = iter(ctx.train_loader)
-        window.disturbed = True  # the loader's pipeline fills again
+        window.disturbed |= bool(loader_workers(ctx.train_loader))  # its worker processes' pipeline fills again
         epoch = ctx.state.epoch
         while ctx.state.step < ctx.end_step and ctx.state.epoch == epoch:
             window.lr = base_lr(ctx.optimizer)  # the rate this step uses; the scheduler moves it after
@@ -275,14 +275,20 @@ def step_facts(ctx: TrainContext) -> StepFacts:
                      ctx.plan.micro_batch_size)
 
 
+def loader_workers(loader) -> int | None:
+    """The loader's worker processes; None for data.on_device's DeviceLoader (no loader processes)."""
+    workers = getattr(loader, "num_workers", None)
+    if workers is None and hasattr(loader, "loader"):
+        workers = loader.loader.num_workers
+    return workers
+
+
 def loader_advice(loader) -> str:
     """What to try, from what the loader is: more workers help a data set that reads and decodes; an in-memory one
     is slowed by workers (pickling and a pipe per batch), and raising them makes it worse."""
     from hpctrain.data.loader import in_memory
 
-    workers = getattr(loader, "num_workers", None)
-    if workers is None and hasattr(loader, "loader"):
-        workers = loader.loader.num_workers
+    workers = loader_workers(loader)
     if workers is None:  # data.on_device: batches are cut from the data on the device, no loader processes
         return ("With data.on_device=true the batches are cut on the device: the wait is the device transform's or "
                 "the host's launching of it, not loading.")
