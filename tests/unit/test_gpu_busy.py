@@ -87,6 +87,22 @@ def test_samples_of_another_value_type_are_read_from_their_own_field():
     assert meter.read() == pytest.approx(0.5)
 
 
+def test_a_gpu_without_any_sample_is_said_once():
+    nvml = FakeNvml()
+    meter = NvmlBusy(nvml, "handle")
+    assert [meter.read() is None and meter.silent() for _ in range(4)] == [False, False, True, False]
+    nvml.samples += [(1, 50)]
+    later = NvmlBusy(nvml, "handle")
+    later.read()
+    assert not any(later.read() is None and later.silent() for _ in range(4))  # it had samples: a quiet spell
+
+
+def test_loader_workers_are_found_through_wrappers():
+    inner = SimpleNamespace(num_workers=3)
+    assert loop.loader_workers(SimpleNamespace(loader=SimpleNamespace(loader=inner))) == 3
+    assert loop.loader_workers(SimpleNamespace(loader=SimpleNamespace())) is None  # DeviceLoader-like: none
+
+
 def test_no_meter_on_the_cpu_and_a_reason_where_nvml_is_missing(monkeypatch):
     assert open_meter(torch.device("cpu")) == gpu_busy.BusyMeter(None, "")
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
@@ -265,3 +281,27 @@ def test_the_report_blames_the_loader_or_nothing(tmp_path):
     assert busy["gpu_busy_median"] == pytest.approx(0.97) and not observations(busy)
     busy["gpu_busy_median"] = math.nan  # a CPU run: no number, no note
     assert not observations(busy)
+
+
+def test_in_a_real_loop_windows_with_a_validation_have_no_number(tmp_path, monkeypatch):
+    """loop.train on the tiny DDPM with a stand-in NVML that samples 50% busy between any two reads: the windows
+    whose step ran a validation or a checkpoint (after_step marks them) and the launch's first have no gpu_busy."""
+    from hpctrain.monitor.gpu_busy import BusyMeter
+    from tests.unit.test_step_modes import _context
+
+    class Sampling(FakeNvml):
+        def nvmlDeviceGetSamples(self, handle, kind, since):
+            self.samples += [(len(self.samples) + 1 + k, 50) for k in range(3)]
+            return super().nvmlDeviceGetSamples(handle, kind, since)
+
+    ctx = _context(tmp_path, monkeypatch, "log.every_steps=1", "eval.every_steps=3", "ckpt.every_steps=0",
+                   "train.max_steps=8", "log.outputs_every_steps=0", "log.outputs_every_epochs=0")
+    ctx.checkpointer = type("NoSave", (), {"save": lambda self, *a, **k: None})()
+    monkeypatch.setattr(loop, "open_meter", lambda device: BusyMeter(NvmlBusy(Sampling(), "handle")))
+    records: list[dict] = []
+    monkeypatch.setattr(ctx.metrics, "log", records.append)
+    loop.train(ctx)
+    busy = {r["step"]: r.get("gpu_busy") for r in records if r["split"] == "train"}
+    # step 1: the launch's first window; 4 and 7: the windows after the validations at steps 3 and 6.
+    assert [s for s, b in busy.items() if b is None] == [1, 4, 7], busy
+    assert busy[2] == pytest.approx(0.5)

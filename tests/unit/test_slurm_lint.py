@@ -421,7 +421,7 @@ def test_slurm_status_and_cancel_start_without_importing_torch():
     import subprocess
     import sys
 
-    code = "import sys, hpctrain.cli, hpctrain.slurm.commands; print('torch' in sys.modules)"
+    code = "import sys, hpctrain.cli, hpctrain.slurm.commands, hpctrain.monitor.report; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"

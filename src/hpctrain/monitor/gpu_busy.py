@@ -31,6 +31,8 @@ at batch 128 found ~48 ms of kernels in a ~65-68 ms step (about 70%; less at the
 takes as long); a step bound by the GPU leaves it idle only between steps."""
 LOADER_BOUND = 0.25
 """Ranks wait this fraction of a window for batches: the loader, not the model, sets the pace."""
+SILENT_WINDOWS = 3
+"""Log windows without any sample, from the start, before the log says NVML gives none here."""
 MIN_SAMPLES = 2
 """Fewer samples in a window (a window shorter than about two sampling periods) give no number. NVML keeps about a
 hundred samples: a window longer than that many sampling periods (~16 s at 1/6 s) is measured by its last part."""
@@ -48,6 +50,9 @@ class NvmlBusy:
         self.handle = handle
         self.last_seen = 0
         """NVML's time stamp of the newest sample read: the next window's samples are the ones after it."""
+        self.empty_reads = 0
+        """Consecutive windows without a sample (none at all since the start: said once, see silent())."""
+        self.ever = False
 
     def mark(self) -> None:
         """A window starts now: the samples so far are not its own."""
@@ -57,7 +62,14 @@ class NvmlBusy:
         """The fraction (0-1) of the time since the last mark() or read() the GPU ran kernels; None when too few
         samples were taken in it (or NVML failed, which is not worth a training run)."""
         values = self._samples()
+        self.ever |= bool(values)
+        self.empty_reads = 0 if values else self.empty_reads + 1
         return statistics.fmean(values) / 100.0 if len(values) >= MIN_SAMPLES else None
+
+    def silent(self) -> bool:
+        """True once, at the third window in a row without a single sample since the start: NVML gave a handle but
+        keeps no samples for this GPU (so far seen said of MIG instances); the log says so instead of nothing."""
+        return not self.ever and self.empty_reads == SILENT_WINDOWS
 
     def _samples(self) -> list[float]:
         try:
@@ -123,13 +135,17 @@ class StepFacts:
     """train.compile is allowed (not under dist.strategy=fsdp)."""
     grad_accum: int
     micro_batch: int
+    on_device: bool = False
+    """data.on_device: the batches are already cut on the GPU."""
 
 
 def host_bound_advice(f: StepFacts) -> str:
     """What to try, from what the run does now."""
     if f.mode == "graphed":
         tips = ["The step is already one CUDA graph replay: the host's work between replays (batch copies, the loader, "
-                "logging) sets the pace. Try: keep the data on the GPU (data.on_device=true)"]
+                "logging) sets the pace. Try"]
+        if not f.on_device:
+            tips.append("keep the data on the GPU (data.on_device=true)")
     elif f.capture_refusal:
         tips = [f"The step cannot be captured as a CUDA graph here ({f.capture_refusal}). Try"]
     elif f.distributed:

@@ -215,6 +215,9 @@ def log_train(ctx: TrainContext, window: "_Window") -> None:
     # This rank's GPU since the window began; a window with more than training steps in it has no number.
     busy = window.busy.read() if window.busy is not None else None
     busy = None if window.disturbed or window.first_step == window.launch_step else busy
+    if window.busy is not None and window.busy.silent() and ctx.runtime.is_main:
+        log.info("GPU busy (gpu_busy) not measured: NVML has given no utilisation samples for this GPU in %d log "
+                 "windows (a MIG instance has none)", window.busy.empty_reads)
     stats = {"loss": window.loss_sum, "n": float(window.steps), "wait": window.data_wait,
              "busy": busy or 0.0, "busy_n": float(busy is not None)}
     sums = all_reduce_sums(stats, ctx.runtime)
@@ -272,15 +275,18 @@ def step_facts(ctx: TrainContext) -> StepFacts:
     mode = "graphed" if replaying else "compiled" if cfg.train.compiled else "eager"
     refusal = failed or graph_refusal(cfg, ctx.runtime, ctx.precision, ctx.experiment.graphable) or ""
     return StepFacts(mode, refusal, ctx.runtime.distributed, cfg.dist.strategy != "fsdp", ctx.plan.grad_accum,
-                     ctx.plan.micro_batch_size)
+                     ctx.plan.micro_batch_size, cfg.data.on_device)
 
 
 def loader_workers(loader) -> int | None:
-    """The loader's worker processes; None for data.on_device's DeviceLoader (no loader processes)."""
-    workers = getattr(loader, "num_workers", None)
-    if workers is None and hasattr(loader, "loader"):
-        workers = loader.loader.num_workers
-    return workers
+    """The loader's worker processes, through its wrappers (SkipCountingLoader, a benchmark's); None for
+    data.on_device's DeviceLoader (no loader processes)."""
+    while loader is not None:
+        workers = getattr(loader, "num_workers", None)
+        if workers is not None:
+            return workers
+        loader = getattr(loader, "loader", None)
+    return None
 
 
 def loader_advice(loader) -> str:

@@ -397,6 +397,7 @@ class GraphedStep:
             if self.failed:
                 return self._eager_with(ctx, micro, step)
         if not self._fits(micro):
+            window.disturbed = True  # an eager step among replays
             if ctx.runtime.distributed:  # the other ranks replay captured all-reduces this rank would not join
                 raise UserError(f"train.step_mode=graphed: step {step} has a batch of another shape than the captured "
                                 f"one on rank {ctx.runtime.rank}", "set train.step_mode=eager for this data.")
