@@ -294,14 +294,15 @@ def test_in_a_real_loop_windows_with_a_validation_have_no_number(tmp_path, monke
             self.samples += [(len(self.samples) + 1 + k, 50) for k in range(3)]
             return super().nvmlDeviceGetSamples(handle, kind, since)
 
-    ctx = _context(tmp_path, monkeypatch, "log.every_steps=1", "eval.every_steps=3", "ckpt.every_steps=0",
-                   "train.max_steps=8", "log.outputs_every_steps=0", "log.outputs_every_epochs=0")
+    ctx = _context(tmp_path, monkeypatch, "log.every_steps=1", "eval.every_steps=2", "ckpt.every_steps=0",
+                   "train.max_steps=5", "log.outputs_every_steps=0", "log.outputs_every_epochs=0",
+                   "model.fixture_samples=64")
     ctx.checkpointer = type("NoSave", (), {"save": lambda self, *a, **k: None})()
     monkeypatch.setattr(loop, "open_meter", lambda device: BusyMeter(NvmlBusy(Sampling(), "handle")))
     records: list[dict] = []
     monkeypatch.setattr(ctx.metrics, "log", records.append)
     loop.train(ctx)
     busy = {r["step"]: r.get("gpu_busy") for r in records if r["split"] == "train"}
-    # step 1: the launch's first window; 4 and 7: the windows after the validations at steps 3 and 6.
-    assert [s for s, b in busy.items() if b is None] == [1, 4, 7], busy
+    # step 1: the launch's first window; 3 and 5: the windows after the validations at steps 2 and 4.
+    assert [s for s, b in busy.items() if b is None] == [1, 3, 5], busy
     assert busy[2] == pytest.approx(0.5)
