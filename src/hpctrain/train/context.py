@@ -64,6 +64,9 @@ class TrainContext:
     """The run's torch.compile cache (train/compile_cache.py) when the model is compiled: saved after checkpoints."""
     step_choice: Any = None
     """The resolved train.step_mode and why (train/step.py StepChoice), for the start-up line."""
+    busy_meter: Any = None
+    """monitor/gpu_busy.py's BusyMeter for this rank's GPU, opened by the loop's first call (NVML's set-up can take
+    a second on a node without persistence mode)."""
     metrics: MetricsLogger = field(default_factory=lambda: MetricsLogger([]))
     """Replaced once the start step is known (after restore); silent until then."""
 
