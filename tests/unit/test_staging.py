@@ -94,8 +94,10 @@ def test_an_interrupted_copy_is_resumed_and_verified(split: Path, node: Path, co
     target = next((node / STAGE_FOLDER).glob("*/*"))
     assert not (target / MANIFEST).exists(), "an unfinished copy is not marked complete"
     assert not list(target.glob(".*.part")), "no temporary file is left behind"
-    kept = set(_shards(target))  # the two before the failure, and maybe one more the thread took meanwhile
-    assert {"train-000000.tar", "train-000001.tar"} <= kept and "train-000002.tar" not in kept and len(kept) <= 3
+    # The two before the failure only: the failing copy stops the others itself (before, the copier went on with
+    # the next shards until the reporting thread woke, which on a loaded machine was two shards later).
+    kept = set(_shards(target))
+    assert kept == {"train-000000.tar", "train-000001.tar"}
     (target / ".train-000005.tar.part").write_bytes(b"half a shard")  # a copier killed mid-shard
     (target / ".train-000000.tar.part").write_bytes(b"a stale part")  # beside a shard finished before the failure
     monkeypatch.setattr(staging, "_verify", real)

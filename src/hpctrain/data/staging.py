@@ -249,8 +249,9 @@ def _copy_shards(source: Path, target: Path, todo: list[dict[str, Any]]) -> None
         try:
             while pending:
                 done, pending = wait(pending, timeout=PROGRESS_EVERY_S, return_when=FIRST_EXCEPTION)
-                for future in done:
-                    future.result()
+                if any(future.exception() for future in done):
+                    stop.set()
+                    raise _first_error(done | wait(pending).done)  # the others end at their next chunk
                 if pending:
                     log.info("%s", progress.line())
         except BaseException:
@@ -261,6 +262,12 @@ def _copy_shards(source: Path, target: Path, todo: list[dict[str, Any]]) -> None
 
 class _Stopped(Exception):
     """Another copy failed: this one ends early."""
+
+
+def _first_error(futures) -> BaseException:
+    """The error that stopped the copy, not a copy it stopped (which may have finished first)."""
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    return next((e for e in errors if not isinstance(e, _Stopped)), errors[0])
 
 
 def _copy_file(src: Path, dst: Path, expected: dict[str, Any] | None, progress: _Progress,
@@ -283,9 +290,12 @@ def _copy_file(src: Path, dst: Path, expected: dict[str, Any] | None, progress: 
             _verify(src, part.stat().st_size, digest.hexdigest(), expected)
         os.replace(part, dst)
     except OSError as err:
+        stop.set()  # here, not when the reporting thread wakes: a free copier would otherwise start the next shard
         part.unlink(missing_ok=True)
         raise _copy_error(src, dst, err) from None
-    except BaseException:
+    except BaseException as err:
+        if not isinstance(err, _Stopped):
+            stop.set()
         part.unlink(missing_ok=True)
         raise
 
