@@ -53,6 +53,7 @@ class NvmlBusy:
         self.empty_reads = 0
         """Consecutive windows without a sample (none at all since the start: said once, see silent())."""
         self.ever = False
+        """Some window has had a sample."""
 
     def mark(self) -> None:
         """A window starts now: the samples so far are not its own."""
@@ -68,7 +69,7 @@ class NvmlBusy:
 
     def silent(self) -> bool:
         """True once, at the third window in a row without a single sample since the start: NVML gave a handle but
-        keeps no samples for this GPU (so far seen said of MIG instances); the log says so instead of nothing."""
+        keeps no samples for this GPU (reported of MIG instances); the log then says so instead of nothing."""
         return not self.ever and self.empty_reads == SILENT_WINDOWS
 
     def _samples(self) -> list[float]:
