@@ -36,7 +36,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -185,13 +184,10 @@ def verdict(rates: dict[str, float]) -> list[str]:
 
 
 def header(args: argparse.Namespace, info: dict[str, Any]) -> list[str]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    from hpctrain.perf.provenance import cpu_model
+
     return [f"# faceseg_decode: {info['train_samples']} generated faces at {args.size}x{args.size} "
-            f"({info['train_bytes'] / info['train_samples'] / 1e3:.1f} kB per sample in shards), {cpu}, "
+            f"({info['train_bytes'] / info['train_samples'] / 1e3:.1f} kB per sample in shards), {cpu_model()}, "
             f"{os.cpu_count()} cores, torch {torch.__version__}, {datetime.date.today().isoformat()}"]
 
 

@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import datetime
 import json
-import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -62,15 +62,14 @@ class OpCounter(TorchDispatchMode):
         total = sum(self.ops.values())
         copies = sum(n for name, n in self.ops.items() if name in ("copy_", "_to_copy", "clone", "contiguous"))
         return {"ops": total, "views": self.views, "launching": total - self.views, "copies": copies,
-                "top": self.ops.most_common(6)}
+                "top": self.ops.most_common(6), "counts": dict(self.ops)}
 
 
 class StandInGraph:
     """CudaGraph's interface without CUDA: capture runs the body once under the counter (what the graph would hold),
     replay launches nothing (what the host does per replay is counted around it)."""
 
-    captured: dict[str, Any] = {}
-    side_stream = staticmethod(lambda owner: _null())
+    side_stream = staticmethod(lambda owner: contextlib.nullcontext())
 
     @staticmethod
     def event() -> Any:
@@ -79,16 +78,10 @@ class StandInGraph:
     def capture(self, body) -> None:
         with OpCounter() as counter:
             body()
-        StandInGraph.captured = counter.summary()
+        self.captured = counter.summary()
 
     def replay(self) -> None:
         pass
-
-
-def _null():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def context(mode: str, micro: int, smoke: bool, run_dir: str, extra: tuple[str, ...] = ()):
@@ -114,27 +107,37 @@ def context(mode: str, micro: int, smoke: bool, run_dir: str, extra: tuple[str, 
     return ctx
 
 
-class _Window:
-    lr, data_wait = 0.0, 0.0
+def step_under(around: contextlib.AbstractContextManager, mode: str, micro: int, smoke: bool, warmup: int,
+               extra: tuple[str, ...] = ()) -> Any:
+    """One step of hpctrain's own stepper inside ``around`` (a counter, a profiler), after ``warmup`` steps (graphed:
+    and its eager step and capture); ``extra``: config overrides. Returns the captured graph (graphed), else None."""
+    from hpctrain.train import loop
 
-
-def count_step(mode: str, micro: int, smoke: bool, warmup: int, extra: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The operators of the step after ``warmup`` steps (graphed: after its capture); ``extra``: config overrides."""
     with tempfile.TemporaryDirectory() as run_dir:
         ctx = context(mode, micro, smoke, run_dir, extra)
         ctx.sampler.set_position(0, 0)
         batches = iter(ctx.train_loader)
-        for _ in range(warmup + (2 if mode == "graphed" else 0)):  # graphed: its eager step, then the capture
-            ctx.stepper(ctx, batches, _Window())
+
+        def step() -> None:
+            ctx.stepper(ctx, batches, loop._Window(ctx.state.step))
             ctx.state.advance(ctx.plan.global_batch_size, ctx.sampler.steps_per_epoch)
-        with OpCounter() as counter:
-            ctx.stepper(ctx, batches, _Window())
-        out = counter.summary()
-        out["counts"] = dict(counter.ops)
-        if mode == "graphed":
-            out["in_graph"] = StandInGraph.captured["launching"]
-            out["graph_launches"] = 1
-        return out
+
+        for _ in range(warmup + (2 if mode == "graphed" else 0)):
+            step()
+        with around:
+            step()
+        return getattr(ctx.stepper, "graph", None)
+
+
+def count_step(mode: str, micro: int, smoke: bool, warmup: int, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The operators of the step, counted below autograd."""
+    counter = OpCounter()
+    graph = step_under(counter, mode, micro, smoke, warmup, extra)
+    out = counter.summary()
+    if graph is not None:
+        out["in_graph"] = graph.captured["launching"]
+        out["graph_launches"] = 1
+    return out
 
 
 NO_LAUNCH = {"aten::empty", "aten::empty_strided", "aten::as_strided", "aten::as_strided_", "aten::resize_",
@@ -162,15 +165,8 @@ def profile_step(mode: str, micro: int, smoke: bool, warmup: int) -> dict[str, A
     from torch.profiler import ProfilerActivity, profile
 
     inductor.cpp.enable_kernel_profile = True  # each generated C++ kernel becomes a profiler event
-    with tempfile.TemporaryDirectory() as run_dir:
-        ctx = context(mode, micro, smoke, run_dir)
-        ctx.sampler.set_position(0, 0)
-        batches = iter(ctx.train_loader)
-        for _ in range(warmup):
-            ctx.stepper(ctx, batches, _Window())
-            ctx.state.advance(ctx.plan.global_batch_size, ctx.sampler.steps_per_epoch)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            ctx.stepper(ctx, batches, _Window())
+    prof = profile(activities=[ProfilerActivity.CPU])
+    step_under(prof, mode, micro, smoke, warmup)
     leaves = [name for e in prof.events() if e.cpu_parent is None for name in launches(e)]
     kernels = [n for n in leaves if "cpp_fused" in n]
     return {"launching": len(leaves), "inductor_kernels": len(kernels), "aten": len(leaves) - len(kernels),
@@ -203,8 +199,10 @@ def render_profiled(results: dict[str, dict[str, Any]]) -> str:
 
 def header(args: argparse.Namespace) -> list[str]:
     model = "the smoke-test U-Net" if args.smoke else "the DDPM reference U-Net (35.7M parameters, 32x32)"
+    from hpctrain.perf.provenance import cpu_model
+
     return [f"step_ops: {model}, micro batch {args.micro}, bf16 autocast, fused AdamW, EMA, grad clip; "
-            f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+            f"torch {torch.__version__}, {cpu_model()}, "
             f"{datetime.date.today().isoformat()}"]
 
 

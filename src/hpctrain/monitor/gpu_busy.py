@@ -142,18 +142,19 @@ class StepFacts:
 
 def host_bound_advice(f: StepFacts) -> str:
     """What to try, from what the run does now."""
+    lead, tips = "", []
     if f.mode == "graphed":
-        tips = ["The step is already one CUDA graph replay: the host's work between replays (batch copies, the loader, "
-                "logging) sets the pace. Try"]
+        lead = ("The step is already one CUDA graph replay: the host's work between replays (batch copies, the "
+                "loader, logging) sets the pace. ")
         if not f.on_device:
             tips.append("keep the data on the GPU (data.on_device=true)")
     elif f.capture_refusal:
-        tips = [f"The step cannot be captured as a CUDA graph here ({f.capture_refusal}). Try"]
+        lead = f"The step cannot be captured as a CUDA graph here ({f.capture_refusal}). "
     elif f.distributed:
-        tips = ["Try: train.step_mode=graphed captures the whole step, DDP's all-reduce included (opt-in: it has not "
-                "yet run on several GPUs)"]
+        tips.append("train.step_mode=graphed captures the whole step, DDP's all-reduce included (opt-in: it has not "
+                    "yet run on several GPUs)")
     else:
-        tips = ["Try: train.step_mode=auto (or graphed) captures the whole step as one CUDA graph"]
+        tips.append("train.step_mode=auto (or graphed) captures the whole step as one CUDA graph")
     if f.mode == "eager" and f.can_compile:
         tips.append("train.compile=true fuses the model's kernels (fewer launches)")
     if f.grad_accum > 1:
@@ -162,4 +163,4 @@ def host_bound_advice(f: StepFacts) -> str:
     else:
         tips.append(f"each launch does more work with a larger batch (micro batch {f.micro_batch}, no accumulation: "
                     "that means a larger train.global_batch_size, a change of the recipe)")
-    return "; ".join(tips).replace("Try; ", "Try: ") + "."
+    return f"{lead}Try: {'; '.join(tips)}."

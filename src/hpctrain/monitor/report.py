@@ -73,9 +73,8 @@ def summary_facts(data: RunData) -> dict:
     train = [r for r in data.records if r["split"] == "train"]
     val = [r for r in data.records if r["split"] == "val"]
     facts: dict = {"steps": train[-1]["step"] if train else 0}
-    speeds = [r["samples_per_s"] for r in train if isinstance(r.get("samples_per_s"), (int, float))]
-    facts["samples_per_s_median"] = statistics.median(speeds) if speeds else math.nan
-    # Medians of the log windows: a launch's first window (warm-up, compilation, capture) does not move them.
+    facts["samples_per_s_median"] = _median([r.get("samples_per_s") for r in train])
+    # Over the log windows that have the number (gpu_busy: windows of training steps alone, loop.log_train).
     facts["gpu_busy_median"] = _median([r.get("gpu_busy") for r in train])
     facts["data_wait_median"] = _median([r.get("data_wait_frac") for r in train])
     if val:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from hpctrain.perf.provenance import cpu_model
 
 log = logging.getLogger("hpctrain")
 
@@ -42,21 +43,9 @@ def cache_key(device: torch.device) -> str:
         triton_version = triton.__version__
     except ImportError:  # CPU-only builds: Inductor compiles C++ there
         triton_version = "none"
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu-{_cpu_model()}"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu-{cpu_model()}"
     text = f"torch-{torch.__version__}_triton-{triton_version}_{name}"
     return re.sub(r"[^A-Za-z0-9._+-]+", "-", text).strip("-")
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.machine()
 
 
 def user_cache_dir() -> bool:

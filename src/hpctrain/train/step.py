@@ -386,10 +386,10 @@ class GraphedStep:
             return self.eager(ctx, batches, window)
         if self.graph is None:
             window.disturbed = True  # warm-up steps and the capture: not the replayed step's GPU time
-        if self.graph is None and self.warmup_left > 0:
-            self.warmup_left -= 1
-            with self.graph_class.side_stream(self):
-                return self.eager(ctx, batches, window)
+            if self.warmup_left > 0:
+                self.warmup_left -= 1
+                with self.graph_class.side_stream(self):
+                    return self.eager(ctx, batches, window)
         step = ctx.state.step
         micro = [fetch(ctx, batches, window) for _ in range(ctx.plan.grad_accum)]
         if self.graph is None:
