@@ -57,11 +57,17 @@ def test_a_graphed_run_resumed_continues_an_eager_runs_losses(tmp_path: Path):
                           "train.step_mode=eager"], 300)
     assert eager.returncode == 0, eager.output
     graphed = tmp_path / "graphed"
-    first = run_hpctrain(["train", "ddpm_cifar10", *common, f"run.dir={graphed}", "train.stop_at_step=20"], 300)
+    # The graphed run leaves the layout to auto: NCHW for the U-Net's GroupNorm under a graph, on both launches,
+    # while the run's config keeps 'auto'.
+    auto = "train.channels_last=auto"
+    first = run_hpctrain(["train", "ddpm_cifar10", *common, f"run.dir={graphed}", auto, "train.stop_at_step=20"], 300)
     assert first.returncode == 0, first.output
     assert "step: graphed (auto: one process on CUDA)" in first.stderr and "CUDA graph at step 11" in first.stderr
-    second = run_hpctrain(["train", "ddpm_cifar10", *common, f"run.dir={graphed}"], 300)
+    assert "layout: NCHW (train.channels_last=auto: GroupNorm" in first.stderr
+    assert 'channels_last = "auto"' in (graphed / "config.toml").read_text()
+    second = run_hpctrain(["train", "ddpm_cifar10", *common, f"run.dir={graphed}", auto], 300)
     assert second.returncode == 0, second.output
+    assert "layout: NCHW" in second.stderr
     assert "at step 20" in second.stderr and "step captured as a CUDA graph at step 31" in second.stderr
     want, got = train_losses(tmp_path / "eager"), train_losses(graphed)
     assert sorted(got) == sorted(want) == list(range(1, 41))

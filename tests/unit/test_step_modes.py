@@ -164,15 +164,16 @@ def _state_tensors(ctx) -> list[torch.Tensor]:
 
 def _context(tmp_path, monkeypatch, *extra: str):
     from hpctrain.train import run
-    from hpctrain.train.entry import resolve
+    from hpctrain.train.entry import launch_config, resolve
 
     # The fused optimizer, as on a GPU (its tensor learning rate and non-finite skip are what graphed relies on).
     build = run.build_optimizer
     monkeypatch.setattr(run, "build_optimizer", lambda *a, **k: build(*a, **(k | {"fused": True})))
     cls, cfg = resolve("ddpm_cifar10", None, TINY + (f"run.dir={tmp_path}",) + extra)
+    runtime = single_process_runtime(torch.device("cpu"))
+    cfg, _ = launch_config(cls, cfg, runtime, "train")
     torch.manual_seed(0)
-    return run.build_context(cfg, single_process_runtime(torch.device("cpu")), cls(cfg), config_text="",
-                             write_run_dir=False, pretrained=False)
+    return run.build_context(cfg, runtime, cls(cfg), config_text="", write_run_dir=False, pretrained=False)
 
 
 def _train(ctx, steps: int, poison: dict[int, str] | None = None,

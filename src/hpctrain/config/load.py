@@ -154,8 +154,8 @@ def _parse_raw(raw: str, typ: Any) -> Any:
 
 def _check(typ: Any, value: Any) -> tuple[bool, Any]:
     origin = typing.get_origin(typ)
-    if origin is Literal:
-        return value in typing.get_args(typ), value
+    if origin is Literal:  # by type too: 1 == True, but 1 is not a valid true/false/'auto'
+        return any(type(value) is type(a) and value == a for a in typing.get_args(typ)), value
     if typ is bool:
         return isinstance(value, bool), value
     if typ is int:
@@ -178,14 +178,18 @@ def _check(typ: Any, value: Any) -> tuple[bool, Any]:
 
 def _describe(typ: Any) -> str:
     origin = typing.get_origin(typ)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(typ))
+    if origin is Literal:  # as TOML spells them: true, not True
+        return "one of " + ", ".join(_toml_literal(a) for a in typing.get_args(typ))
     if origin is tuple:
         args = typing.get_args(typ)
         if len(args) == 2 and args[1] is Ellipsis:
             return "a list such as ['failure', 'hang']"
         return f"a list of {len(args)} values such as [0.9, 0.999]"
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[typ]
+
+
+def _toml_literal(value: Any) -> str:
+    return ("true" if value else "false") if isinstance(value, bool) else repr(value)
 
 
 def config_to_dict(cfg: RunConfig) -> dict[str, Any]:

@@ -49,7 +49,7 @@ def plan_command(req: PlanRequest) -> int:
     n = req.nodes * req.gpus_per_node
     batches = plan_batches(cfg.train.global_batch_size, cfg.train.micro_batch_size, n)  # bad arithmetic: told now
     busbw, source = bandwidth(req, cfg.dist.bucket_cap_mb * 2**20)
-    profile, device = measure_step(cls(cfg), cfg, max(req.steps, 1))
+    profile, device = measure_step(cls, cfg, max(req.steps, 1))
     layout = Layout(req.nodes, req.gpus_per_node, batches.grad_accum, cfg.dist.bucket_cap_mb * 2**20,
                     cfg.dist.grad_compression)
     single = estimate(profile, Layout(1, 1, batches.grad_accum, layout.bucket_bytes), busbw)
@@ -85,12 +85,14 @@ def bandwidth(req: PlanRequest, bucket_bytes: int) -> tuple[float, str]:
                         "give the preflight.json written by 'hpctrain doctor --perf', or --busbw GB/s.") from None
 
 
-def measure_step(experiment, cfg: RunConfig, steps: int) -> tuple[StepProfile, torch.device]:
-    """Median forward, backward and optimizer times of this config's micro-batch on one device."""
+def measure_step(experiment_cls, cfg: RunConfig, steps: int) -> tuple[StepProfile, torch.device]:
+    """Median forward, backward and optimizer times of this config's micro-batch on one device (an eager step)."""
+    from hpctrain.train.layout import resolve_layout
     from hpctrain.train.run import build_context
 
     runtime = single_process_runtime()
-    ctx = build_context(cfg, runtime, experiment, config_text="", write_run_dir=False, pretrained=False)
+    cfg, _ = resolve_layout(cfg, runtime, experiment_cls, "eager")
+    ctx = build_context(cfg, runtime, experiment_cls(cfg), config_text="", write_run_dir=False, pretrained=False)
     batches = _endless(ctx)
     # two warm-up steps: allocator, autotuning, lazy optimizer state
     times = [_timed_step(ctx, next(batches)) for _ in range(steps + 2)]
@@ -109,11 +111,12 @@ def _endless(ctx):
 def _timed_step(ctx, host_batch) -> tuple[float, float, float]:
     from hpctrain.experiments.base import BatchInfo, call_train_loss
     from hpctrain.train.device import to_device
+    from hpctrain.train.layout import channels_last
     from hpctrain.train.step import apply_gradients
 
     device = ctx.runtime.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    batch = to_device(host_batch, device, ctx.cfg.train.channels_last)
+    batch = to_device(host_batch, device, channels_last(ctx.cfg))
     sync()
     t0 = time.perf_counter()
     with ctx.precision.autocast():

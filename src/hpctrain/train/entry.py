@@ -16,6 +16,7 @@ from hpctrain.experiments import Experiment, resolve_experiment
 from hpctrain.fault.alerts import resolve_webhook
 from hpctrain.fault.error_file import record_errors
 from hpctrain.logs import setup_logging
+from hpctrain.train.layout import Layout, resolve_layout
 from hpctrain.train.rundir import ensure_writable
 from hpctrain.train.state import continue_with_batch, read_state
 
@@ -129,11 +130,28 @@ def _train_here(cls: type[Experiment], cfg: RunConfig, launch: LaunchInfo, req: 
     from hpctrain.train.run import run_evaluation, run_training  # heavy imports only where work happens
 
     with distributed_session(launch, cfg.dist) as runtime:
+        # The config text is the user's (train.channels_last=auto stays auto, resolved again on each launch); the
+        # experiment and the loop get the resolved one.
+        text = config_to_toml(cfg)
+        cfg, layout = launch_config(cls, cfg, runtime, req.command)
         if req.command == "eval":
-            run_evaluation(cfg, runtime, cls(unstaged(cfg)), config_to_toml(cfg))
+            run_evaluation(cfg, runtime, cls(unstaged(cfg)), text)
             return 0
         if req.command == "sample":
             from hpctrain.train.sample import sample_here
 
             return sample_here(cfg, runtime, cls(cfg), req.out)
-        return run_training(cfg, runtime, cls(cfg), config_to_toml(cfg)).exit_code
+        return run_training(cfg, runtime, cls(cfg), text, layout.describe()).exit_code
+
+
+def launch_config(cls: type[Experiment], cfg: RunConfig, runtime, command: str) -> tuple[RunConfig, Layout]:
+    """The config with what depends on this launch's device resolved (train.channels_last, which follows the step
+    mode: train/layout.py), and the layout chosen (training's start-up lines say it)."""
+    from hpctrain.train.precision import resolve_precision
+    from hpctrain.train.step import choose_step_mode
+
+    mode = "eager"  # evaluation and sampling run no optimizer step
+    if command == "train":
+        precision = resolve_precision(cfg.train.precision, runtime.device)
+        mode = choose_step_mode(cfg, runtime, precision, cls.graphable).mode
+    return resolve_layout(cfg, runtime, cls, mode)

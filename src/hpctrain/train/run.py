@@ -41,6 +41,7 @@ from hpctrain.train import loop
 from hpctrain.train.context import FaultState, TrainContext
 from hpctrain.train.ema import build_ema
 from hpctrain.train.evaluate import evaluate
+from hpctrain.train.layout import channels_last
 from hpctrain.train.optim import build_optimizer, build_scheduler
 from hpctrain.train.compile_cache import CompileCache
 from hpctrain.train.step import build_step, choose_step_mode, release_step
@@ -218,7 +219,9 @@ class Outcome:
     """The last validation metrics."""
 
 
-def run_training(cfg: RunConfig, runtime: Runtime, experiment: Experiment, config_text: str) -> Outcome:
+def run_training(cfg: RunConfig, runtime: Runtime, experiment: Experiment, config_text: str,
+                 layout: str = "") -> Outcome:
+    """``layout``: the memory format chosen for this launch and why (train/layout.py), for the start-up lines."""
     started = time.perf_counter()
     ctx = build_context(cfg, runtime, experiment, config_text)
     alerter = Alerter(resolve_webhook(cfg.alert), cfg.alert, cfg.run_name, cfg.run_dir, runtime.job_id, runtime.rank)
@@ -236,7 +239,7 @@ def run_training(cfg: RunConfig, runtime: Runtime, experiment: Experiment, confi
                 for kept in set_aside_records(Path(cfg.run_dir)):
                     log.warning("fresh start: %s held an earlier attempt's records (no checkpoint to resume); "
                                 "kept as %s, this run's start anew", cfg.run_dir, kept.name)
-        _announce(ctx, resumed)
+        _announce(ctx, resumed, layout)
         if cfg.train.compiled:  # before the first compiled step: a requeued job on another node does not compile again
             ctx.compile_cache = CompileCache(Path(cfg.run_dir), runtime.device, runtime.is_main, runtime.local_rank)
             ctx.compile_cache.load()
@@ -377,7 +380,7 @@ def _stopped(ctx: TrainContext, alerter: Alerter, result: loop.LoopResult) -> Ou
     return Outcome(f.exit_code, result.val)
 
 
-def _announce(ctx: TrainContext, resumed) -> None:
+def _announce(ctx: TrainContext, resumed, layout: str) -> None:
     if not ctx.runtime.is_main:
         return
     p, rt = ctx.plan, ctx.runtime
@@ -390,6 +393,8 @@ def _announce(ctx: TrainContext, resumed) -> None:
     )
     if ctx.step_choice is not None:
         log.info("step: %s", ctx.step_choice.describe())
+    if layout:
+        log.info("layout: %s", layout)
     if resumed is not None:
         log.info(
             "resumed from %s at step %d (epoch %d, step %d of it), saved by %d process(es)",
@@ -433,7 +438,7 @@ def run_evaluation(cfg: RunConfig, runtime: Runtime, experiment: Experiment, con
     sampler = EvalBatchSampler(len(data.val), eval_batch, runtime.rank, runtime.world_size)
     loader = build_loader(data.val, sampler, cfg.data, runtime, collate_fn=data.collate_fn)
     precision = resolve_precision(cfg.train.precision, runtime.device)
-    metrics = evaluate(experiment, model, loader, runtime, precision, cfg.train.channels_last,
+    metrics = evaluate(experiment, model, loader, runtime, precision, channels_last(cfg),
                        seed=cfg.run.seed, step=step)
     if runtime.is_main:
         record = {"step": step, "split": "val", "checkpoint": str(loaded.path), **metrics}

@@ -28,6 +28,7 @@ from hpctrain.data.sources.celebamask import CLASSES
 from hpctrain.errors import UserError
 from hpctrain.experiments.base import Datasets, Experiment
 from hpctrain.metrics.segmentation import confusion_matrix, iou_table, segmentation_metrics
+from hpctrain.train.layout import channels_last
 from hpctrain.train.outputs import Outputs
 
 log = logging.getLogger("hpctrain")
@@ -148,7 +149,7 @@ class FaceSegExperiment(Experiment):
             images, labels = batch[0].float().div_(255.0), batch[1]
         mean, std, _ = self._on(images.device)
         images = (images - mean) / std
-        if self.cfg.train.channels_last:
+        if channels_last(self.cfg):
             images = images.contiguous(memory_format=torch.channels_last)
         return images, labels.long()
 

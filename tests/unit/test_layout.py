@@ -1,0 +1,120 @@
+"""train.channels_last: auto resolved per launch (train/layout.py), the config keeping the user's value."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from hpctrain.config.load import load_config
+from hpctrain.config.describe import describe_keys
+from hpctrain.dist.runtime import single_process_runtime
+from hpctrain.config.validate import ConfigError
+from hpctrain.train.entry import launch_config, resolve
+from hpctrain.train.layout import ModelTraits, channels_last, choose_layout, inspect_model, model_traits, resolve_layout
+
+GN = ModelTraits(convolutions=True, group_norm=True)
+BN = ModelTraits(convolutions=True, group_norm=False)
+MLP = ModelTraits(convolutions=False, group_norm=False)
+
+
+def cuda_runtime(world_size: int = 1):
+    """A runtime that says CUDA (nothing here touches the device: the layout is chosen from it, not on it)."""
+    cpu = single_process_runtime(torch.device("cpu"))
+    return dataclasses.replace(cpu, device=torch.device("cuda", 0), world_size=world_size,
+                               backend="nccl" if world_size > 1 else "")
+
+
+@pytest.mark.parametrize(("setting", "device", "mode", "traits", "want"), [
+    (True, "cpu", "eager", None, True),  # explicit wins everywhere
+    (False, "cuda", "eager", BN, False),
+    ("auto", "cpu", "graphed", BN, False),  # the CPU: torch's default
+    ("auto", "cuda", "eager", GN, True),  # eager is host-bound: channels_last's convolutions win (908 vs 781)
+    ("auto", "cuda", "compiled", GN, True),
+    ("auto", "cuda", "graphed", GN, False),  # GroupNorm's conversions are GPU time under a graph (2,209 vs 1,966)
+    ("auto", "cuda", "graphed", BN, True),  # batch norm has channels_last kernels (1,113 vs 753)
+    ("auto", "cuda", "eager", MLP, False),  # nothing to gain, a .view() to lose
+    ("auto", "cuda", "eager", None, False),  # not inspectable: torch's default
+])
+def test_choose_layout(setting, device, mode, traits, want):
+    layout = choose_layout(setting, device, mode, traits)
+    assert layout.channels_last is want
+    assert layout.describe().startswith("channels_last (" if want else "NCHW (")
+
+
+def test_model_traits():
+    assert model_traits(nn.Sequential(nn.Conv2d(3, 8, 3), nn.GroupNorm(2, 8))) == GN
+    assert model_traits(nn.Sequential(nn.ConvTranspose2d(3, 8, 3), nn.BatchNorm2d(8))) == BN
+    assert model_traits(nn.Sequential(nn.Linear(3, 8), nn.LayerNorm(8))) == MLP
+
+
+def test_the_reference_models_are_inspected_on_the_meta_device():
+    ddpm, cfg = resolve("ddpm_cifar10", None, ())
+    assert inspect_model(ddpm, cfg) == GN
+    faceseg, cfg = resolve("faceseg", None, ())
+    assert inspect_model(faceseg, cfg) == BN
+
+
+class Unbuildable:
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def build_model(self):
+        raise OSError("weights.pt: no such file")
+
+
+def test_a_model_that_cannot_be_built_on_meta_falls_back_to_nchw_with_a_warning(caplog):
+    _, cfg = resolve("ddpm_cifar10", None, ())
+    with caplog.at_level(logging.WARNING, logger="hpctrain"):
+        resolved, layout = resolve_layout(cfg, cuda_runtime(), Unbuildable, "eager")
+    assert resolved.train.channels_last is False and "could not be inspected" in layout.reason
+    assert "OSError: weights.pt: no such file" in caplog.text and "train.channels_last=true or false" in caplog.text
+
+
+def test_launch_config_follows_the_step_mode(monkeypatch):
+    """ddpm_cifar10 (auto): one process on CUDA graphs its step, so NCHW; over several GPUs it steps eagerly (capture
+    under DDP is opt-in), so channels_last; on the CPU NCHW; eval and sample run no optimizer step."""
+    monkeypatch.setattr("hpctrain.train.precision.auto_precision", lambda device: "bf16")  # an Ampere or later GPU
+    cls, cfg = resolve("ddpm_cifar10", None, ())
+    assert cfg.train.channels_last == "auto"
+    assert launch_config(cls, cfg, cuda_runtime(1), "train")[0].train.channels_last is False
+    assert launch_config(cls, cfg, cuda_runtime(2), "train")[0].train.channels_last is True
+    assert launch_config(cls, cfg, cuda_runtime(1), "eval")[0].train.channels_last is True
+    assert launch_config(cls, cfg, single_process_runtime(torch.device("cpu")), "train")[0].train.channels_last is False
+    _, explicit = resolve("ddpm_cifar10", None, ("train.channels_last=true",))
+    assert launch_config(cls, explicit, cuda_runtime(1), "train")[0].train.channels_last is True
+    monkeypatch.setattr("hpctrain.train.precision.auto_precision", lambda device: "fp16")  # a V100: never graphed
+    assert launch_config(cls, cfg, cuda_runtime(1), "train")[0].train.channels_last is True
+
+
+def test_an_unresolved_auto_reads_as_nchw_not_as_a_true_string():
+    """An experiment built by hand from load_config never went through resolve_layout: torch's default layout, for
+    the model and its batches alike."""
+    from hpctrain.dist.wrap import place_model
+    cls, cfg = resolve("ddpm_cifar10", None, ())
+    assert cfg.train.channels_last == "auto" and channels_last(cfg) is False
+    model = place_model(nn.Conv2d(3, 3, 1), cfg, single_process_runtime(torch.device("cpu")))
+    assert model.weight.is_contiguous()
+    images = (torch.zeros(2, 3, 8, 8, dtype=torch.uint8),)
+    x0 = cls(cfg)._x0(images)
+    assert x0.is_contiguous() and not x0.is_contiguous(memory_format=torch.channels_last)
+    _, explicit = resolve("ddpm_cifar10", None, ("train.channels_last=true",))
+    assert cls(explicit)._x0(images).is_contiguous(memory_format=torch.channels_last)
+
+
+def test_the_config_takes_true_false_or_auto_and_says_so():
+    from hpctrain.experiments.digits import DigitsExperiment, DigitsOptions
+
+    def load(value: str):
+        return load_config("digits", DigitsOptions, experiment_defaults=DigitsExperiment.defaults,
+                           overrides=[f"train.channels_last={value}"]).train.channels_last
+
+    assert (load("true"), load("false"), load("auto")) == (True, False, "auto")
+    for bad in ("1", "yes"):
+        with pytest.raises(ConfigError, match="expects one of true, false, 'auto', got " + bad):
+            load(bad)
+    cfg = load_config("digits", DigitsOptions, experiment_defaults=DigitsExperiment.defaults)
+    assert 'train.channels_last = "auto"  (one of true, false, \'auto\')' in describe_keys(cfg)
