@@ -47,7 +47,7 @@ def test_the_captured_step_trains_as_the_eager_one_on_the_gpu(tmp_path: Path, mo
 
 def test_a_graphed_run_resumed_continues_an_eager_runs_losses(tmp_path: Path):
     """auto's own case (one process, no accumulation) through the CLI, with validation and asynchronous checkpoints
-    between replays, stopped at step 20 and resumed (a new capture at 20 + 11)."""
+    between replays, stopped at step 20 and resumed (a new capture at 20 + 11) in the other memory format."""
     from tests.unit.test_step_modes import TINY
 
     common = [*TINY, *GPU, "train.micro_batch_size=16", "train.max_steps=40", "log.every_steps=1", "log.plots=false",
@@ -57,17 +57,16 @@ def test_a_graphed_run_resumed_continues_an_eager_runs_losses(tmp_path: Path):
                           "train.step_mode=eager"], 300)
     assert eager.returncode == 0, eager.output
     graphed = tmp_path / "graphed"
-    # The graphed run leaves the layout to auto: NCHW for the U-Net's GroupNorm under a graph, on both launches,
-    # while the run's config keeps 'auto'.
-    auto = "train.channels_last=auto"
-    first = run_hpctrain(["train", "ddpm_cifar10", *common, f"run.dir={graphed}", auto, "train.stop_at_step=20"], 300)
+    # The first launch holds its weights (and AdamW's state) channels_last; the resumed one leaves the layout to
+    # auto, NCHW for the U-Net's GroupNorm under a graph: a resume across layouts, and the config keeps 'auto'.
+    first = run_hpctrain(["train", "ddpm_cifar10", *common, f"run.dir={graphed}", "train.stop_at_step=20"], 300)
     assert first.returncode == 0, first.output
     assert "step: graphed (auto: one process on CUDA)" in first.stderr and "CUDA graph at step 11" in first.stderr
-    assert "layout: NCHW (train.channels_last=auto: GroupNorm" in first.stderr
-    assert 'channels_last = "auto"' in (graphed / "config.toml").read_text()
-    second = run_hpctrain(["train", "ddpm_cifar10", *common, f"run.dir={graphed}", auto], 300)
+    assert "layout: channels_last (train.channels_last=true)" in first.stderr
+    second = run_hpctrain(["train", "ddpm_cifar10", *common, f"run.dir={graphed}", "train.channels_last=auto"], 300)
     assert second.returncode == 0, second.output
-    assert "layout: NCHW" in second.stderr
+    assert "layout: NCHW (train.channels_last=auto: GroupNorm" in second.stderr
+    assert 'channels_last = "auto"' in (graphed / "config.toml").read_text()
     assert "at step 20" in second.stderr and "step captured as a CUDA graph at step 31" in second.stderr
     want, got = train_losses(tmp_path / "eager"), train_losses(graphed)
     assert sorted(got) == sorted(want) == list(range(1, 41))

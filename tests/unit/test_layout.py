@@ -13,6 +13,7 @@ from hpctrain.config.load import load_config
 from hpctrain.config.describe import describe_keys
 from hpctrain.dist.runtime import single_process_runtime
 from hpctrain.config.validate import ConfigError
+from hpctrain.errors import UserError
 from hpctrain.train.entry import launch_config, resolve
 from hpctrain.train.layout import ModelTraits, channels_last, choose_layout, inspect_model, model_traits, resolve_layout
 
@@ -53,31 +54,49 @@ def test_model_traits():
 
 def test_the_reference_models_are_inspected_on_the_meta_device():
     ddpm, cfg = resolve("ddpm_cifar10", None, ())
-    assert inspect_model(ddpm, cfg) == GN
+    assert inspect_model(ddpm(cfg)) == GN
     faceseg, cfg = resolve("faceseg", None, ())
-    assert inspect_model(faceseg, cfg) == BN
+    assert inspect_model(faceseg(cfg)) == BN
 
 
 class Unbuildable:
-    def __init__(self, cfg):
-        self.cfg = cfg
+    def __init__(self, cfg, error: Exception):
+        self.cfg, self.error = cfg, error
 
     def build_model(self):
-        raise OSError("weights.pt: no such file")
+        raise self.error
 
 
 def test_a_model_that_cannot_be_built_on_meta_falls_back_to_nchw_with_a_warning(caplog):
     _, cfg = resolve("ddpm_cifar10", None, ())
     with caplog.at_level(logging.WARNING, logger="hpctrain"):
-        resolved, layout = resolve_layout(cfg, cuda_runtime(), Unbuildable, "eager")
+        resolved, layout = resolve_layout(cfg, cuda_runtime(), Unbuildable(cfg, OSError("weights.pt: no such file")),
+                                          "eager")
     assert resolved.train.channels_last is False and "could not be inspected" in layout.reason
     assert "OSError: weights.pt: no such file" in caplog.text and "train.channels_last=true or false" in caplog.text
+    # A user's mistake stays the message that says what to do, not a layout warning.
+    with pytest.raises(UserError, match="model.depth"):
+        resolve_layout(cfg, cuda_runtime(), Unbuildable(cfg, UserError("model.depth=0", "set it to 1 or more.")),
+                       "eager")
+
+
+def test_the_main_ranks_answer_is_every_ranks(monkeypatch):
+    """Only rank 0 builds the model on meta; the others take its traits (DDP refuses weights of mixed formats)."""
+    import hpctrain.train.layout as layout_module
+
+    _, cfg = resolve("ddpm_cifar10", None, ())
+    sent = []
+    monkeypatch.setattr(layout_module, "broadcast_object", lambda obj, runtime: sent.append(obj) or GN)
+    other = dataclasses.replace(cuda_runtime(2), rank=1)
+    resolved, layout = resolve_layout(cfg, other, Unbuildable(cfg, AssertionError("rank 1 must not build")), "graphed")
+    assert sent == [None] and resolved.train.channels_last is False and "GroupNorm" in layout.reason
 
 
 def test_launch_config_follows_the_step_mode(monkeypatch):
     """ddpm_cifar10 (auto): one process on CUDA graphs its step, so NCHW; over several GPUs it steps eagerly (capture
     under DDP is opt-in), so channels_last; on the CPU NCHW; eval and sample run no optimizer step."""
     monkeypatch.setattr("hpctrain.train.precision.auto_precision", lambda device: "bf16")  # an Ampere or later GPU
+    monkeypatch.setattr("hpctrain.train.layout.broadcast_object", lambda obj, runtime: obj)  # no process group here
     cls, cfg = resolve("ddpm_cifar10", None, ())
     assert cfg.train.channels_last == "auto"
     assert launch_config(cls, cfg, cuda_runtime(1), "train")[0].train.channels_last is False
@@ -96,8 +115,8 @@ def test_an_unresolved_auto_reads_as_nchw_not_as_a_true_string():
     from hpctrain.dist.wrap import place_model
     cls, cfg = resolve("ddpm_cifar10", None, ())
     assert cfg.train.channels_last == "auto" and channels_last(cfg) is False
-    model = place_model(nn.Conv2d(3, 3, 1), cfg, single_process_runtime(torch.device("cpu")))
-    assert model.weight.is_contiguous()
+    model = place_model(nn.Conv2d(3, 8, 3), cfg, single_process_runtime(torch.device("cpu")))
+    assert not model.weight.is_contiguous(memory_format=torch.channels_last)
     images = (torch.zeros(2, 3, 8, 8, dtype=torch.uint8),)
     x0 = cls(cfg)._x0(images)
     assert x0.is_contiguous() and not x0.is_contiguous(memory_format=torch.channels_last)
@@ -113,8 +132,9 @@ def test_the_config_takes_true_false_or_auto_and_says_so():
                            overrides=[f"train.channels_last={value}"]).train.channels_last
 
     assert (load("true"), load("false"), load("auto")) == (True, False, "auto")
+    assert resolve("ddpm_cifar10", None, ())[1].train.channels_last == "auto"  # the reference opts in
     for bad in ("1", "yes"):
         with pytest.raises(ConfigError, match="expects one of true, false, 'auto', got " + bad):
             load(bad)
     cfg = load_config("digits", DigitsOptions, experiment_defaults=DigitsExperiment.defaults)
-    assert 'train.channels_last = "auto"  (one of true, false, \'auto\')' in describe_keys(cfg)
+    assert "train.channels_last = false  (one of true, false, 'auto')" in describe_keys(cfg)  # the default

@@ -216,8 +216,10 @@ def pair(tmp_path, monkeypatch):
     return make
 
 
-def test_the_graphed_step_trains_as_the_eager_one(pair):
-    eager, graphed = pair()
+@pytest.mark.parametrize("layout", ["train.channels_last=auto", "train.channels_last=true"])
+def test_the_graphed_step_trains_as_the_eager_one(pair, layout):
+    """auto is NCHW on the CPU; true keeps the channels_last case (a GPU's eager default for this U-Net) covered."""
+    eager, graphed = pair(layout)
     assert isinstance(eager.stepper, EagerStep)
     e_loss, e_norm = _train(eager, 7)
     g_loss, g_norm = _train(graphed, 7)

@@ -58,7 +58,7 @@ class TrainSection:
     GPUs only, bf16 or fp32, one process or DDP over NCCL; with train.compile=true the compiled kernels are what is
     captured. auto: graphed for one process on a GPU (several GPUs: opt-in until capture under DDP has run on several
     GPUs), else compiled with train.compile=true, else eager; the start-up line says which and why."""
-    channels_last: Literal[True, False, "auto"] = "auto"
+    channels_last: Literal[True, False, "auto"] = False
     """The channels_last (NHWC) memory format for the model's 4-D weights and batches: true, false (NCHW), or auto:
     on GPUs channels_last for a model with 2-D convolutions (tensor cores' convolutions run in it), except NCHW
     for a model with GroupNorm under a graphed step (no channels_last GroupNorm kernel: measured 12% faster in

@@ -91,7 +91,7 @@ def measure_step(experiment_cls, cfg: RunConfig, steps: int) -> tuple[StepProfil
     from hpctrain.train.run import build_context
 
     runtime = single_process_runtime()
-    cfg, _ = resolve_layout(cfg, runtime, experiment_cls, "eager")
+    cfg, _ = resolve_layout(cfg, runtime, experiment_cls(cfg), "eager")
     ctx = build_context(cfg, runtime, experiment_cls(cfg), config_text="", write_run_dir=False, pretrained=False)
     batches = _endless(ctx)
     # two warm-up steps: allocator, autotuning, lazy optimizer state

@@ -132,15 +132,15 @@ def _train_here(cls: type[Experiment], cfg: RunConfig, launch: LaunchInfo, req: 
     with distributed_session(launch, cfg.dist) as runtime:
         # The config text is the user's (train.channels_last=auto stays auto, resolved again on each launch); the
         # experiment and the loop get the resolved one.
+        if req.command == "sample":  # sampling reads no layout (the outputs hook makes its own tensors)
+            from hpctrain.train.sample import sample_here
+
+            return sample_here(cfg, runtime, cls(cfg), req.out)
         text = config_to_toml(cfg)
         cfg, layout = launch_config(cls, cfg, runtime, req.command)
         if req.command == "eval":
             run_evaluation(cfg, runtime, cls(unstaged(cfg)), text)
             return 0
-        if req.command == "sample":
-            from hpctrain.train.sample import sample_here
-
-            return sample_here(cfg, runtime, cls(cfg), req.out)
         return run_training(cfg, runtime, cls(cfg), text, layout.describe()).exit_code
 
 
@@ -150,8 +150,9 @@ def launch_config(cls: type[Experiment], cfg: RunConfig, runtime, command: str) 
     from hpctrain.train.precision import resolve_precision
     from hpctrain.train.step import choose_step_mode
 
-    mode = "eager"  # evaluation and sampling run no optimizer step
+    experiment = cls(cfg)  # the layout does not change what it is built from
+    mode = "eager"  # evaluation runs no optimizer step
     if command == "train":
         precision = resolve_precision(cfg.train.precision, runtime.device)
-        mode = choose_step_mode(cfg, runtime, precision, cls.graphable).mode
-    return resolve_layout(cfg, runtime, cls, mode)
+        mode = choose_step_mode(cfg, runtime, precision, experiment.graphable).mode
+    return resolve_layout(cfg, runtime, experiment, mode)

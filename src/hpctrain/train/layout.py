@@ -11,6 +11,11 @@ auto picks what was measured faster on one H100 (BENCHMARKS.md, 2026-11-27):
   1,966; graphed and compiled: 3,644 against 3,456.
 - NCHW on the CPU (torch's default; the CPU's convolutions are not faster in channels_last here) and for a model
   without convolutions (where converting 4-D inputs only risks a later .view()).
+- Not measured: a compiled step that is not graphed (train.compile with eager replays); auto treats it as eager
+  (channels_last), the host being what bounds it.
+
+auto is ddpm_cifar10's setting; the config's default stays false, so a user's model (which may .view() a
+convolution's output, which fails on a channels_last tensor) changes layout only when asked.
 
 A graphed step that falls back to eager at its capture (train.step_mode=auto) keeps the layout chosen for the graph:
 the model is already placed in it.
@@ -26,7 +31,9 @@ import torch
 from torch import nn
 
 from hpctrain.config.schema import RunConfig
+from hpctrain.dist.collectives import broadcast_object
 from hpctrain.dist.runtime import Runtime
+from hpctrain.errors import UserError
 
 log = logging.getLogger("hpctrain")
 
@@ -62,7 +69,7 @@ def choose_layout(setting: bool | str, device_type: str, step_mode: str, traits:
     if setting is True or setting is False:
         return Layout(setting, f"train.channels_last={'true' if setting else 'false'}")
     if device_type != "cuda":
-        return Layout(False, "train.channels_last=auto: on the CPU")
+        return Layout(False, f"train.channels_last=auto: on {device_type}, not CUDA")
     if traits is None:
         return Layout(False, "train.channels_last=auto: the model could not be inspected; set true or false")
     if not traits.convolutions:
@@ -73,27 +80,33 @@ def choose_layout(setting: bool | str, device_type: str, step_mode: str, traits:
     return Layout(True, "train.channels_last=auto: convolutions on CUDA")
 
 
-def inspect_model(experiment_cls: Any, cfg: RunConfig) -> ModelTraits | None:
+def inspect_model(experiment: Any) -> ModelTraits | None:
     """The experiment's model built on the meta device (no memory, no initialisation kernels) and inspected; None,
-    with a warning, when it cannot be built there (e.g. it reads weights while it is built)."""
+    with a warning, when it cannot be built there (e.g. it reads weights while it is built). Only the model is built
+    on meta: the experiment itself was made outside, so its own option errors stay what they are."""
     try:
         with torch.device("meta"):
-            model = experiment_cls(cfg).build_model()
-    except Exception as err:  # an experiment's own code: any failure only means "not inspectable"
+            model = experiment.build_model()
+    except UserError:
+        raise
+    except Exception as err:  # an experiment's own code: any other failure only means "not inspectable"
         log.warning("train.channels_last=auto: could not build %s's model on the meta device to inspect it (%s: %s); "
-                    "using NCHW. Set train.channels_last=true or false to choose.", cfg.experiment,
+                    "using NCHW. Set train.channels_last=true or false to choose.", experiment.cfg.experiment,
                     type(err).__name__, err)
         return None
     return model_traits(model)
 
 
-def resolve_layout(cfg: RunConfig, runtime: Runtime, experiment_cls: Any, step_mode: str) -> tuple[RunConfig, Layout]:
-    """``cfg`` with train.channels_last as true or false for this launch, and why. ``step_mode``: what the step
-    will run as (train/step.py choose_step_mode; eager for evaluation and sampling). The config written to the run
-    directory stays the user's: a resume on another kind of node resolves auto again."""
+def resolve_layout(cfg: RunConfig, runtime: Runtime, experiment: Any, step_mode: str) -> tuple[RunConfig, Layout]:
+    """``cfg`` with train.channels_last as true or false for this launch, and why. ``experiment``: built from
+    ``cfg`` (its build_model is what is inspected). ``step_mode``: what the step will run as (train/step.py
+    choose_step_mode; eager for evaluation). The main rank inspects the model and every rank takes its answer, so
+    all hold their weights in one format (DDP refuses a mix) even if building failed on one of them. The config
+    written to the run directory stays the user's: a resume on another kind of node resolves auto again."""
     setting = cfg.train.channels_last
-    needs_model = setting == "auto" and runtime.device.type == "cuda"
-    traits = inspect_model(experiment_cls, cfg) if needs_model else None
+    traits = None
+    if setting == "auto" and runtime.device.type == "cuda":
+        traits = broadcast_object(inspect_model(experiment) if runtime.is_main else None, runtime)
     layout = choose_layout(setting, runtime.device.type, step_mode, traits)
     return replace(cfg, train=replace(cfg.train, channels_last=layout.channels_last)), layout
 

@@ -431,6 +431,8 @@ def run_evaluation(cfg: RunConfig, runtime: Runtime, experiment: Experiment, con
     if data.val is None:
         raise UserError(f"experiment '{cfg.experiment}' has no validation set", "nothing to evaluate.")
     model = experiment.build_model().to(runtime.device)
+    if channels_last(cfg):  # the weights in the batches' format (evaluate converts those), as training holds them
+        model = model.to(memory_format=torch.channels_last)
     checkpointer = Checkpointer(Path(cfg.run_dir), cfg.experiment, runtime, config_text, cfg.ckpt.keep_last)
     loaded = checkpointer.restore_weights(cfg.ckpt.resume, model)
     step = int(loaded.info["step"])
