@@ -15,7 +15,7 @@ from hpctrain.dist.runtime import single_process_runtime
 from hpctrain.config.validate import ConfigError
 from hpctrain.errors import UserError
 from hpctrain.train.entry import launch_config, resolve
-from hpctrain.train.layout import ModelTraits, channels_last, choose_layout, inspect_model, model_traits, resolve_layout
+from hpctrain.train.layout import ModelTraits, choose_layout, inspect_model, model_traits, resolve_layout
 
 GN = ModelTraits(convolutions=True, group_norm=True)
 BN = ModelTraits(convolutions=True, group_norm=False)
@@ -114,7 +114,7 @@ def test_an_unresolved_auto_reads_as_nchw_not_as_a_true_string():
     the model and its batches alike."""
     from hpctrain.dist.wrap import place_model
     cls, cfg = resolve("ddpm_cifar10", None, ())
-    assert cfg.train.channels_last == "auto" and channels_last(cfg) is False
+    assert cfg.train.channels_last == "auto" and cfg.train.channels_last_on is False
     model = place_model(nn.Conv2d(3, 8, 3), cfg, single_process_runtime(torch.device("cpu")))
     assert not model.weight.is_contiguous(memory_format=torch.channels_last)
     images = (torch.zeros(2, 3, 8, 8, dtype=torch.uint8),)

@@ -76,6 +76,13 @@ class TrainSection:
 
 
     @property
+    def channels_last_on(self) -> bool:
+        """The layout to use: channels_last resolved per launch (train/layout.py). What places the model or converts
+        batches reads this, never channels_last itself: an auto never resolved (an experiment built by hand from
+        load_config, outside hpctrain's launch) reads as NCHW, torch's default, not as a true string."""
+        return self.channels_last is True
+
+    @property
     def compiled(self) -> bool:
         """Whether the model runs under torch.compile (train.compile, or train.step_mode=compiled)."""
         return self.compile or self.step_mode == "compiled"

@@ -16,7 +16,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from hpctrain.config.schema import RunConfig
 from hpctrain.dist.runtime import Runtime
 from hpctrain.errors import UserError, on_every_rank
-from hpctrain.train.layout import channels_last
 
 log = logging.getLogger("hpctrain")
 
@@ -33,7 +32,7 @@ def place_model(model: nn.Module, cfg: RunConfig, runtime: Runtime) -> nn.Module
                         "(a collective in the forward), so little is compiled; measure both, or set "
                         "train.sync_batchnorm=off (per-GPU statistics) to compile the whole model")
     model = model.to(runtime.device)
-    if channels_last(cfg) and not (cfg.dist.strategy == "fsdp" and runtime.distributed):
+    if cfg.train.channels_last_on and not (cfg.dist.strategy == "fsdp" and runtime.distributed):
         model = model.to(memory_format=torch.channels_last)
     # Under fsdp the parameters stay contiguous: FSDP2 shards only contiguous parameters (torch 2.14 raises
     # NotImplementedError on channels_last weights). The batches are still channels_last (train/device.py), and a

@@ -111,12 +111,11 @@ def _endless(ctx):
 def _timed_step(ctx, host_batch) -> tuple[float, float, float]:
     from hpctrain.experiments.base import BatchInfo, call_train_loss
     from hpctrain.train.device import to_device
-    from hpctrain.train.layout import channels_last
     from hpctrain.train.step import apply_gradients
 
     device = ctx.runtime.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    batch = to_device(host_batch, device, channels_last(ctx.cfg))
+    batch = to_device(host_batch, device, ctx.cfg.train.channels_last_on)
     sync()
     t0 = time.perf_counter()
     with ctx.precision.autocast():

@@ -109,10 +109,3 @@ def resolve_layout(cfg: RunConfig, runtime: Runtime, experiment: Any, step_mode:
         traits = broadcast_object(inspect_model(experiment) if runtime.is_main else None, runtime)
     layout = choose_layout(setting, runtime.device.type, step_mode, traits)
     return replace(cfg, train=replace(cfg.train, channels_last=layout.channels_last)), layout
-
-
-def channels_last(cfg: RunConfig) -> bool:
-    """The resolved train.channels_last, for code that places the model or converts batches. An auto that was never
-    resolved (an experiment built by hand from load_config, outside hpctrain's launch) reads as NCHW, torch's
-    default: the same results, and never the string 'auto' taken as true."""
-    return cfg.train.channels_last is True

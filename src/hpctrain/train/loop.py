@@ -17,7 +17,6 @@ from hpctrain.experiments.base import has_outputs
 from hpctrain.monitor.gpu_busy import LOADER_BOUND, StepFacts, host_bound, host_bound_advice, open_meter
 from hpctrain.train.context import TrainContext
 from hpctrain.train.evaluate import evaluate
-from hpctrain.train.layout import channels_last
 from hpctrain.train.optim import base_lr
 from hpctrain.train.outputs import Outputs, run_outputs
 from hpctrain.train.rng import capture_rng
@@ -116,8 +115,8 @@ def validate(ctx: TrainContext) -> dict[str, float]:
     model = ctx.shipped_model
     # Validate on every rank the weights the checkpoint holds (rank 0's), not each rank's own batch-norm statistics.
     broadcast_buffers(model, ctx.runtime)
-    val = evaluate(ctx.experiment, model, ctx.val_loader, ctx.runtime, ctx.precision, channels_last(ctx.cfg),
-                   on_batch=lambda: ctx.fault.heartbeat.mark("eval"), seed=ctx.cfg.run.seed, step=step)
+    val = evaluate(ctx.experiment, model, ctx.val_loader, ctx.runtime, ctx.precision,
+                   ctx.cfg.train.channels_last_on, on_batch=lambda: ctx.fault.heartbeat.mark("eval"), seed=ctx.cfg.run.seed, step=step)
     ctx.metrics.log({"step": step, "split": "val", "epoch": ctx.state.epoch, **val})
     text = ctx.experiment.describe_metrics(val) if ctx.runtime.is_main else None
     if text:

@@ -41,7 +41,6 @@ from hpctrain.train import loop
 from hpctrain.train.context import FaultState, TrainContext
 from hpctrain.train.ema import build_ema
 from hpctrain.train.evaluate import evaluate
-from hpctrain.train.layout import channels_last
 from hpctrain.train.optim import build_optimizer, build_scheduler
 from hpctrain.train.compile_cache import CompileCache
 from hpctrain.train.step import build_step, choose_step_mode, release_step
@@ -431,7 +430,7 @@ def run_evaluation(cfg: RunConfig, runtime: Runtime, experiment: Experiment, con
     if data.val is None:
         raise UserError(f"experiment '{cfg.experiment}' has no validation set", "nothing to evaluate.")
     model = experiment.build_model().to(runtime.device)
-    if channels_last(cfg):  # the weights in the batches' format (evaluate converts those), as training holds them
+    if cfg.train.channels_last_on:  # the weights in the batches' format (evaluate converts those), as in training
         model = model.to(memory_format=torch.channels_last)
     checkpointer = Checkpointer(Path(cfg.run_dir), cfg.experiment, runtime, config_text, cfg.ckpt.keep_last)
     loaded = checkpointer.restore_weights(cfg.ckpt.resume, model)
@@ -440,7 +439,7 @@ def run_evaluation(cfg: RunConfig, runtime: Runtime, experiment: Experiment, con
     sampler = EvalBatchSampler(len(data.val), eval_batch, runtime.rank, runtime.world_size)
     loader = build_loader(data.val, sampler, cfg.data, runtime, collate_fn=data.collate_fn)
     precision = resolve_precision(cfg.train.precision, runtime.device)
-    metrics = evaluate(experiment, model, loader, runtime, precision, channels_last(cfg),
+    metrics = evaluate(experiment, model, loader, runtime, precision, cfg.train.channels_last_on,
                        seed=cfg.run.seed, step=step)
     if runtime.is_main:
         record = {"step": step, "split": "val", "checkpoint": str(loaded.path), **metrics}

@@ -37,7 +37,6 @@ from hpctrain.dist.wrap import ddp_of, fsdp_of, full_value
 from hpctrain.errors import UserError
 from hpctrain.experiments.base import BatchInfo, call_train_loss
 from hpctrain.train.device import to_device
-from hpctrain.train.layout import channels_last
 from hpctrain.train.precision import Precision
 
 log = logging.getLogger("hpctrain")
@@ -174,7 +173,7 @@ def fetch(ctx, batches: Iterator, window) -> Any:
     waited = time.perf_counter()
     host_batch = next(batches)
     window.data_wait += time.perf_counter() - waited
-    return to_device(host_batch, ctx.runtime.device, channels_last(ctx.cfg))
+    return to_device(host_batch, ctx.runtime.device, ctx.cfg.train.channels_last_on)
 
 
 def batch_info(ctx, step: int, micro: int) -> BatchInfo:

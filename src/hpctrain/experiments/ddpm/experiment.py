@@ -23,7 +23,6 @@ from hpctrain.errors import UserError
 from hpctrain.experiments.base import BatchInfo, Datasets, Experiment
 from hpctrain.experiments.ddpm.diffusion import GaussianDiffusion
 from hpctrain.experiments.ddpm.model import UNet
-from hpctrain.train.layout import channels_last
 from hpctrain.train.outputs import Outputs
 
 LOSS_BUCKETS = 4
@@ -111,7 +110,7 @@ class DDPMExperiment(Experiment):
     def _x0(self, batch: Any) -> torch.Tensor:
         """uint8 images -> floats in [-1, 1] (on the device: a quarter of the bytes cross the bus)."""
         x0 = batch[0].float().div_(127.5).sub_(1.0)
-        return x0.contiguous(memory_format=torch.channels_last) if channels_last(self.cfg) else x0
+        return x0.contiguous(memory_format=torch.channels_last) if self.cfg.train.channels_last_on else x0
 
     def _losses(self, model: nn.Module, batch: Any, info: BatchInfo) -> tuple[torch.Tensor, torch.Tensor]:
         x0 = self._x0(batch)

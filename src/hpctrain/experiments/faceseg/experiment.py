@@ -28,7 +28,6 @@ from hpctrain.data.sources.celebamask import CLASSES
 from hpctrain.errors import UserError
 from hpctrain.experiments.base import Datasets, Experiment
 from hpctrain.metrics.segmentation import confusion_matrix, iou_table, segmentation_metrics
-from hpctrain.train.layout import channels_last
 from hpctrain.train.outputs import Outputs
 
 log = logging.getLogger("hpctrain")
@@ -149,7 +148,7 @@ class FaceSegExperiment(Experiment):
             images, labels = batch[0].float().div_(255.0), batch[1]
         mean, std, _ = self._on(images.device)
         images = (images - mean) / std
-        if channels_last(self.cfg):
+        if self.cfg.train.channels_last_on:
             images = images.contiguous(memory_format=torch.channels_last)
         return images, labels.long()
 
