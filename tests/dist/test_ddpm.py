@@ -43,10 +43,12 @@ def test_world_size_invariance_train_and_val(tmp_path: Path):
     """(processes x accumulation) 1x4 = 2x2 = 4x1: the timesteps and noise of each sample come from its position
     in the global batch, so the losses agree at every step; so do the validation losses (drawn per validation
     sample; with 4 ranks, two hold no validation batch and still join the sums, tensors included)."""
-    common = ("train.max_steps=20", "eval.every_steps=10", "model.flip=false")
+    # train.channels_last=auto: its collective (rank 0 inspects the model for all) runs on 2 and 4 ranks too.
+    common = ("train.max_steps=20", "eval.every_steps=10", "model.flip=false", "train.channels_last=auto")
     for nproc in (1, 2, 4):
         result = train(tmp_path / f"w{nproc}", nproc, *common)
         assert f"micro 4 x {nproc} ranks x {4 // nproc} accumulation" in result.stderr
+        assert "layout: NCHW (train.channels_last=auto: on cpu, not CUDA)" in result.stderr
     for nproc in (2, 4):
         assert_same_run(tmp_path / "w1", tmp_path / f"w{nproc}", 20)
     losses = train_losses(tmp_path / "w1")

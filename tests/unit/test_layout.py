@@ -74,22 +74,42 @@ def test_a_model_that_cannot_be_built_on_meta_falls_back_to_nchw_with_a_warning(
                                           "eager")
     assert resolved.train.channels_last is False and "could not be inspected" in layout.reason
     assert "OSError: weights.pt: no such file" in caplog.text and "train.channels_last=true or false" in caplog.text
-    # A user's mistake stays the message that says what to do, not a layout warning.
-    with pytest.raises(UserError, match="model.depth"):
-        resolve_layout(cfg, cuda_runtime(), Unbuildable(cfg, UserError("model.depth=0", "set it to 1 or more.")),
-                       "eager")
 
 
-def test_the_main_ranks_answer_is_every_ranks(monkeypatch):
-    """Only rank 0 builds the model on meta; the others take its traits (DDP refuses weights of mixed formats)."""
+class MustNotBuild:
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def build_model(self):
+        pytest.fail("only the main rank builds the model")  # not an Exception: inspect_model cannot swallow it
+
+
+def test_the_main_ranks_verdict_is_every_ranks(monkeypatch):
+    """Only rank 0 builds the model on meta; the others take its traits (DDP refuses weights of mixed formats),
+    or its error: a UserError from building the model (a bad option) stops every rank with that message."""
     import hpctrain.train.layout as layout_module
 
     _, cfg = resolve("ddpm_cifar10", None, ())
     sent = []
-    monkeypatch.setattr(layout_module, "broadcast_object", lambda obj, runtime: sent.append(obj) or GN)
-    other = dataclasses.replace(cuda_runtime(2), rank=1)
-    resolved, layout = resolve_layout(cfg, other, Unbuildable(cfg, AssertionError("rank 1 must not build")), "graphed")
+
+    def broadcast(verdict):
+        monkeypatch.setattr(layout_module, "broadcast_object", lambda obj, runtime: sent.append(obj) or verdict)
+
+    rank1 = dataclasses.replace(cuda_runtime(2), rank=1)
+    broadcast(("ok", GN, ""))
+    resolved, layout = resolve_layout(cfg, rank1, MustNotBuild(cfg), "graphed")
     assert sent == [None] and resolved.train.channels_last is False and "GroupNorm" in layout.reason
+    broadcast(("error", "model.depth=0", "set it to 1 or more."))
+    with pytest.raises(UserError, match="model.depth=0") as raised:
+        resolve_layout(cfg, rank1, MustNotBuild(cfg), "graphed")
+    assert raised.value.hint == "set it to 1 or more." and raised.value.on_every_rank
+    # The main rank sends its own error, then raises it as every rank does.
+    sent.clear()
+    monkeypatch.setattr(layout_module, "broadcast_object", lambda obj, runtime: sent.append(obj) or obj)
+    failing = Unbuildable(cfg, UserError("model.depth=0", "set it to 1 or more."))
+    with pytest.raises(UserError, match="model.depth=0"):
+        resolve_layout(cfg, cuda_runtime(2), failing, "graphed")
+    assert sent == [("error", "model.depth=0", "set it to 1 or more.")]
 
 
 def test_launch_config_follows_the_step_mode(monkeypatch):

@@ -220,6 +220,12 @@ def pair(tmp_path, monkeypatch):
 def test_the_graphed_step_trains_as_the_eager_one(pair, layout):
     """auto is NCHW on the CPU; true keeps the channels_last case (a GPU's eager default for this U-Net) covered."""
     eager, graphed = pair(layout)
+    wanted = torch.channels_last if layout.endswith("true") else torch.contiguous_format
+    for ctx in (eager, graphed):
+        assert ctx.cfg.train.channels_last_on is (layout.endswith("true"))
+        conv = next(m for m in ctx.raw_model.modules() if isinstance(m, torch.nn.Conv2d) and m.kernel_size == (3, 3))
+        assert conv.weight.is_contiguous(memory_format=wanted) and not conv.weight.is_contiguous(
+            memory_format=torch.contiguous_format if layout.endswith("true") else torch.channels_last)
     assert isinstance(eager.stepper, EagerStep)
     e_loss, e_norm = _train(eager, 7)
     g_loss, g_norm = _train(graphed, 7)

@@ -62,7 +62,8 @@ class TrainSection:
     """The channels_last (NHWC) memory format for the model's 4-D weights and batches: true, false (NCHW), or auto:
     on GPUs channels_last for a model with 2-D convolutions (tensor cores' convolutions run in it), except NCHW
     for a model with GroupNorm under a graphed step (no channels_last GroupNorm kernel: measured 12% faster in
-    NCHW); NCHW on CPUs. The start-up line says which and why (train/layout.py)."""
+    NCHW); NCHW on CPUs, for a model without convolutions, and for one that cannot be built on the meta device
+    (with a warning). The start-up line says which and why (train/layout.py)."""
     cudnn_benchmark: Literal["auto", "on", "off"] = "auto"
     """torch.backends.cudnn.benchmark: cuDNN times its algorithms for each new convolution shape and keeps the
     fastest. auto: on when the step is graphed (its shapes are fixed, and the search happens in the eager warm-up
@@ -73,7 +74,6 @@ class TrainSection:
     """Batch-norm statistics over the global micro-batch (torch's SyncBatchNorm, one all-reduce per BN layer per
     forward) instead of each GPU's own. auto: on for GPU runs with more than one process and a model with batch
     norm; on: the same, and an error on CPUs (torch's SyncBatchNorm runs only on GPUs); off: per-GPU statistics."""
-
 
     @property
     def channels_last_on(self) -> bool:

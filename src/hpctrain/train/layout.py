@@ -33,7 +33,7 @@ from torch import nn
 from hpctrain.config.schema import RunConfig
 from hpctrain.dist.collectives import broadcast_object
 from hpctrain.dist.runtime import Runtime
-from hpctrain.errors import UserError
+from hpctrain.errors import UserError, on_every_rank
 
 log = logging.getLogger("hpctrain")
 
@@ -100,12 +100,25 @@ def inspect_model(experiment: Any) -> ModelTraits | None:
 def resolve_layout(cfg: RunConfig, runtime: Runtime, experiment: Any, step_mode: str) -> tuple[RunConfig, Layout]:
     """``cfg`` with train.channels_last as true or false for this launch, and why. ``experiment``: built from
     ``cfg`` (its build_model is what is inspected). ``step_mode``: what the step will run as (train/step.py
-    choose_step_mode; eager for evaluation). The main rank inspects the model and every rank takes its answer, so
-    all hold their weights in one format (DDP refuses a mix) even if building failed on one of them. The config
-    written to the run directory stays the user's: a resume on another kind of node resolves auto again."""
+    choose_step_mode; eager for evaluation). Collective under auto: the main rank inspects the model and every rank
+    takes its verdict, so all hold their weights in one format (DDP refuses a mix) and a UserError from building
+    the model stops every rank with its message instead of leaving the others waiting. On any device, so the CPU's
+    tests run the same collective a GPU job does. The config written to the run directory stays the user's: a
+    resume on another kind of node resolves auto again."""
     setting = cfg.train.channels_last
     traits = None
-    if setting == "auto" and runtime.device.type == "cuda":
-        traits = broadcast_object(inspect_model(experiment) if runtime.is_main else None, runtime)
+    if setting == "auto":
+        verdict = broadcast_object(_inspection(experiment) if runtime.is_main else None, runtime)
+        if verdict[0] == "error":
+            raise on_every_rank(UserError(verdict[1], verdict[2]))
+        traits = verdict[1]
     layout = choose_layout(setting, runtime.device.type, step_mode, traits)
     return replace(cfg, train=replace(cfg.train, channels_last=layout.channels_last)), layout
+
+
+def _inspection(experiment: Any) -> tuple[str, Any, str]:
+    """("ok", traits or None, "") or ("error", message, hint): what the main rank sends the others."""
+    try:
+        return "ok", inspect_model(experiment), ""
+    except UserError as err:
+        return "error", str(err.args[0]), err.hint

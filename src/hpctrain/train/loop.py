@@ -115,8 +115,8 @@ def validate(ctx: TrainContext) -> dict[str, float]:
     model = ctx.shipped_model
     # Validate on every rank the weights the checkpoint holds (rank 0's), not each rank's own batch-norm statistics.
     broadcast_buffers(model, ctx.runtime)
-    val = evaluate(ctx.experiment, model, ctx.val_loader, ctx.runtime, ctx.precision,
-                   ctx.cfg.train.channels_last_on, on_batch=lambda: ctx.fault.heartbeat.mark("eval"), seed=ctx.cfg.run.seed, step=step)
+    val = evaluate(ctx.experiment, model, ctx.val_loader, ctx.runtime, ctx.precision, ctx.cfg.train.channels_last_on,
+                   on_batch=lambda: ctx.fault.heartbeat.mark("eval"), seed=ctx.cfg.run.seed, step=step)
     ctx.metrics.log({"step": step, "split": "val", "epoch": ctx.state.epoch, **val})
     text = ctx.experiment.describe_metrics(val) if ctx.runtime.is_main else None
     if text:
