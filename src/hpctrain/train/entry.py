@@ -130,12 +130,12 @@ def _train_here(cls: type[Experiment], cfg: RunConfig, launch: LaunchInfo, req: 
     from hpctrain.train.run import run_evaluation, run_training  # heavy imports only where work happens
 
     with distributed_session(launch, cfg.dist) as runtime:
-        # The config text is the user's (train.channels_last=auto stays auto, resolved again on each launch); the
-        # experiment and the loop get the resolved one.
         if req.command == "sample":  # sampling reads no layout (the outputs hook makes its own tensors)
             from hpctrain.train.sample import sample_here
 
             return sample_here(cfg, runtime, cls(cfg), req.out)
+        # The config text is the user's (train.channels_last=auto stays auto, resolved again on each launch); the
+        # experiment and the loop get the resolved one.
         text = config_to_toml(cfg)
         cfg, layout = launch_config(cls, cfg, runtime, req.command)
         if req.command == "eval":
