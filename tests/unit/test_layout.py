@@ -84,6 +84,13 @@ class MustNotBuild:
         pytest.fail("only the main rank builds the model")  # not an Exception: inspect_model cannot swallow it
 
 
+def test_on_the_cpu_auto_builds_no_model():
+    """The traits decide nothing off CUDA: no start-up spent building the model on meta."""
+    _, cfg = resolve("ddpm_cifar10", None, ())
+    resolved, layout = resolve_layout(cfg, single_process_runtime(torch.device("cpu")), MustNotBuild(cfg), "eager")
+    assert resolved.train.channels_last is False and layout.reason == "train.channels_last=auto: on cpu, not CUDA"
+
+
 def test_the_main_ranks_verdict_is_every_ranks(monkeypatch):
     """Only rank 0 builds the model on meta; the others take its traits (DDP refuses weights of mixed formats),
     or its error: a UserError from building the model (a bad option) stops every rank with that message."""
