@@ -18,6 +18,7 @@ from hpctrain.fault.error_file import record_errors
 from hpctrain.logs import setup_logging
 from hpctrain.train.layout import Layout, resolve_layout
 from hpctrain.train.rundir import ensure_writable
+from hpctrain.train.resume_settings import refuse_fixed_changes
 from hpctrain.train.state import continue_with_batch, read_state
 
 log = logging.getLogger("hpctrain")
@@ -68,6 +69,7 @@ def preflight(cfg: RunConfig, world_size: int, command: str = "train") -> None:
     chosen, _ = select_checkpoint(run_dir / "checkpoints", cfg.ckpt.resume, cfg.experiment, verify_checksums=False)
     if command == "train" and chosen is not None:
         _check_saved_batch(chosen.path, cfg)
+        refuse_fixed_changes(chosen.path, cfg)  # optim.name: the checkpoint's optimizer state belongs to it
 
 
 def _check_saved_batch(path: Path, cfg: RunConfig) -> None:

@@ -46,6 +46,7 @@ from hpctrain.train.compile_cache import CompileCache
 from hpctrain.train.step import build_step, choose_step_mode, release_step
 from hpctrain.train.precision import resolve_precision
 from hpctrain.train.rng import restore_rng, seed_everything, seed_rank_streams
+from hpctrain.train.resume_settings import apply_hyperparameters, changed_lines, hyperparameters
 from hpctrain.train.rundir import prepare_run_dir, set_aside_records, write_config
 from hpctrain.train.state import TrainState, continue_with_batch
 
@@ -228,8 +229,10 @@ def run_training(cfg: RunConfig, runtime: Runtime, experiment: Experiment, confi
     ctx.fault.signals.install(stop_signal_names(cfg.fault.warning_signal))
     watchdog = _start_watchdog(ctx, alerter)
     try:
+        built = hyperparameters(ctx.optimizer)  # this launch's: a restore loads the checkpoint's over them
         resumed = ctx.checkpointer.restore(cfg.ckpt.resume, ctx.stateful())
         if resumed is not None:
+            apply_hyperparameters(ctx.optimizer, ctx.scheduler, built)  # the config wins, the state is kept
             _restore_streams(ctx, resumed)
             ctx.state = _continue_from(ctx, resumed)
         if runtime.is_main:  # only now: a refused resume leaves the run dir's config as it was
@@ -399,6 +402,9 @@ def _announce(ctx: TrainContext, resumed, layout: str) -> None:
             "resumed from %s at step %d (epoch %d, step %d of it), saved by %d process(es)",
             resumed.path, ctx.state.step, ctx.state.epoch, ctx.state.step_in_epoch, resumed.saved_world_size,
         )
+        saved = (resumed.path / "config.toml").read_text(encoding="utf-8")  # verified by its manifest
+        for line in changed_lines(saved, ctx.checkpointer.config_text, ctx.state.step):
+            log.info("setting changed since the checkpoint: %s", line)
     if ctx.state.step >= ctx.total_steps:
         log.info("the run is already complete at step %d; raise train.max_steps or train.epochs to go on", ctx.state.step)
     elif ctx.state.step >= ctx.end_step:

@@ -1,0 +1,96 @@
+"""A resume's optimizer settings: the config wins for hyper-parameters, the checkpoint keeps the state
+(train/resume_settings.py). The checkpoint's optimizer state goes through the same flattened DCP state dict a real
+checkpoint holds (checkpoint/state_dicts.py), without a process group."""
+
+import copy
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from hpctrain.checkpoint.state_dicts import apply_tensor_state, tensor_state
+from hpctrain.config import config_to_toml, load_config
+from hpctrain.config.schema import OptimSection
+from hpctrain.errors import UserError
+from hpctrain.experiments.digits.experiment import DigitsExperiment, DigitsOptions
+from hpctrain.train.optim import build_optimizer, build_scheduler, lr_factor
+from hpctrain.train.resume_settings import apply_hyperparameters, changed_lines, hyperparameters, refuse_fixed_changes
+
+SAVED = OptimSection(lr=0.003, betas=(0.9, 0.999), weight_decay=0.01, warmup_steps=2, schedule="linear")
+
+
+def _run(cfg: OptimSection, total: int, steps: int, seed: int = 0):
+    """A model, optimizer and scheduler after ``steps`` steps of a run of ``total``."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    optimizer = build_optimizer(model, cfg)
+    scheduler = build_scheduler(optimizer, cfg, total)
+    for _ in range(steps):
+        model(torch.randn(3, 4)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    return model, optimizer, scheduler
+
+
+def _resume(saved_run, cfg: OptimSection, total: int):
+    """A fresh launch with ``cfg`` restored from ``saved_run``'s state, as train/run.py restores it."""
+    model, optimizer, scheduler = saved_run
+    tensors = copy.deepcopy(tensor_state({"model": model, "optimizer": optimizer}))
+    schedule = copy.deepcopy(scheduler.state_dict())
+    resumed = _run(cfg, total, steps=0, seed=1)
+    built = hyperparameters(resumed[1])
+    apply_tensor_state({"model": resumed[0], "optimizer": resumed[1]}, tensors)
+    resumed[2].load_state_dict(schedule)
+    apply_hyperparameters(resumed[1], resumed[2], built)
+    return resumed
+
+
+def test_an_unchanged_config_resumes_with_exactly_the_saved_rate_and_state():
+    saved = _run(SAVED, total=10, steps=4)
+    model, optimizer, scheduler = _resume(saved, SAVED, total=10)
+    assert [g["lr"] for g in optimizer.param_groups] == [g["lr"] for g in saved[1].param_groups]
+    assert scheduler.last_epoch == 4 and scheduler.get_last_lr() == saved[2].get_last_lr()
+    for p, q in zip(model.parameters(), saved[0].parameters()):
+        assert torch.equal(optimizer.state[p]["exp_avg"], saved[1].state[q]["exp_avg"])
+
+
+def test_changed_hyperparameters_apply_from_the_resumed_step_and_the_state_is_kept():
+    """optim.lr, betas, weight_decay and the schedule from the config; a longer run's schedule at the resumed step
+    (not the old schedule's end, lr 0); the moments and step counts from the checkpoint."""
+    saved = _run(SAVED, total=10, steps=10)
+    assert saved[1].param_groups[0]["lr"] == 0.0  # the linear schedule's end: what a resume used to start at
+    new = replace(SAVED, lr=0.1, betas=(0.8, 0.9), weight_decay=0.2, schedule="cosine", warmup_steps=12)
+    model, optimizer, scheduler = _resume(saved, new, total=20)
+    for group in optimizer.param_groups:
+        assert group["lr"] == 0.1 * lr_factor(10, 20, new)  # still warming up: step 10 of 12
+        assert group["initial_lr"] == 0.1 and group["betas"] == (0.8, 0.9)
+        assert group["weight_decay"] in (0.2, 0.0)  # 1-D parameters never decay
+    assert scheduler.base_lrs == [0.1] * len(optimizer.param_groups) and scheduler.last_epoch == 10
+    for p, q in zip(model.parameters(), saved[0].parameters()):
+        assert torch.equal(optimizer.state[p]["exp_avg_sq"], saved[1].state[q]["exp_avg_sq"])
+        assert float(optimizer.state[p]["step"]) == 10
+    optimizer.step()
+    scheduler.step()  # the next step's rate: the new schedule, from where the checkpoint was
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * lr_factor(11, 20, new))
+
+
+def _config(*overrides: str):
+    return load_config("digits", DigitsOptions, experiment_defaults=DigitsExperiment.defaults, overrides=overrides)
+
+
+def test_a_changed_optimizer_is_refused_naming_the_key(tmp_path: Path):
+    (tmp_path / "config.toml").write_text(config_to_toml(_config("optim.name=adamw")))
+    refuse_fixed_changes(tmp_path, _config("optim.name=adamw", "optim.lr=0.5"))  # a hyper-parameter may change
+    with pytest.raises(UserError, match="optim.name changed") as raised:
+        refuse_fixed_changes(tmp_path, _config("optim.name=sgd"))
+    assert "optim.name=adamw" in raised.value.hint
+
+
+def test_the_log_says_each_changed_key_and_the_step():
+    before, after = config_to_toml(_config()), config_to_toml(_config("optim.lr=0.1", "optim.schedule=constant"))
+    lines = changed_lines(before, after, step=10)
+    assert "optim.lr: 0.003 -> 0.1 from step 10" in lines
+    assert "optim.schedule: 'cosine' -> 'constant' from step 10" in lines and len(lines) == 2
