@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -94,3 +96,79 @@ def test_a_cache_folder_the_user_chose_is_used_as_it_is(tmp_path, node, monkeypa
     assert not cache.managed and cache.load() is False and os.environ[cc.ENV] == mine
     cache.save()
     assert not cache.folder.exists()
+
+
+def test_a_failed_save_warns_once_and_the_run_goes_on(tmp_path, node, caplog, monkeypatch):
+    """The cache only saves compile time, and save() runs right after a good checkpoint: an I/O error must not end
+    the run (it used to raise on rank 0)."""
+    caplog.set_level(logging.INFO, "hpctrain")
+    run = tmp_path / "run"
+    node("n")
+    cache = cc.CompileCache(run, CPU, is_main=True)
+    cache.load()
+    _fill(cache.local, {"fxgraph/ab/entry": b"graph"})
+    cache.save()
+    good = cache.path.read_bytes()
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cc.tarfile.TarFile, "add", full_disk)
+    _fill(cache.local, {"fxgraph/cd/entry": b"more"})
+    cache.save()
+    assert "could not pack" in caplog.text and "No space left on device" in caplog.text
+    assert cache.path.read_bytes() == good and not list(cache.folder.glob(".*tmp*"))  # the old file, whole
+    caplog.clear()
+    _fill(cache.local, {"fxgraph/ef/entry": b"still more"})
+    cache.save()  # not tried again: one warning per run
+    assert "could not pack" not in caplog.text
+
+
+def test_an_unwritable_cache_folder_is_not_fatal(tmp_path, node, caplog):
+    caplog.set_level(logging.WARNING, "hpctrain")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / cc.FOLDER).write_text("a file where the folder should be")
+    node("n")
+    cache = cc.CompileCache(run, CPU, is_main=True)
+    cache.load()
+    _fill(cache.local, {"fxgraph/ab/entry": b"graph"})
+    cache.save()
+    assert "could not pack" in caplog.text
+
+
+def test_the_node_copy_is_removed_when_the_run_ends_and_loads_again_from_the_run_dir(tmp_path, node):
+    """One folder per run and node used to stay in $TMPDIR for good (a 100-point sweep left 100)."""
+    run = tmp_path / "run"
+    tmp = node("n")
+    with cc.node_copy_removed(run, CPU, 0, compiled=True):
+        cache = cc.CompileCache(run, CPU, is_main=True)
+        cache.load()
+        _fill(cache.local, {"fxgraph/ab/entry": b"graph"})
+        cache.save()
+    assert not cache.node.exists() and not cache.node.parent.exists()
+    assert cache.path.is_file()  # what the next launch loads
+    with pytest.raises(RuntimeError), cc.node_copy_removed(run, CPU, 0, compiled=True):
+        resumed = cc.CompileCache(run, CPU, is_main=True)
+        assert resumed.load() is True and (resumed.local / "fxgraph/ab/entry").read_bytes() == b"graph"
+        raise RuntimeError("a failing run")
+    assert not resumed.node.exists()
+    assert list(tmp.rglob("*")) == [tmp / f"hpctrain-inductor-{os.getuid()}"]
+    with cc.node_copy_removed(run, CPU, 0, compiled=False):  # an eager run: nothing made, nothing removed
+        pass
+    assert cache.path.is_file()
+
+
+def test_a_killed_runs_folder_is_removed_by_the_next_run_on_the_node(tmp_path, node):
+    node("n")
+    key = cc.cache_key(CPU)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    killed = cc.node_folder(key, tmp_path / "killed") / "rank0"
+    _fill(killed, {cc.OWNER: f"{dead.pid} 1@boot".encode(), "fxgraph/ab/entry": b"graph"})
+    live = cc.node_folder(key, tmp_path / "live") / "rank1"
+    _fill(live, {cc.OWNER: f"{os.getpid()} {cc.process_start(os.getpid())}".encode()})
+    old = cc.node_folder(key, tmp_path / "old-hpctrain") / "rank0"  # no owner file: not ours to judge
+    _fill(old, {"fxgraph/ab/entry": b"graph"})
+    with cc.node_copy_removed(tmp_path / "run", CPU, 0, compiled=True):
+        assert not killed.parent.exists() and live.is_dir() and old.is_dir()

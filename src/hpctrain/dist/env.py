@@ -93,6 +93,12 @@ def requeue_id(environ: Mapping[str, str] | None = None) -> str:
     return f"{array}_{task}" if array and task else env.get(SLURM_JOB_ID, "")
 
 
+def restart_count(environ: Mapping[str, str] | None = None) -> int:
+    """SLURM_RESTART_COUNT: how often Slurm requeued this job (0 outside Slurm, and at its first start)."""
+    value = (os.environ if environ is None else environ).get("SLURM_RESTART_COUNT", "")
+    return int(value) if value.isdigit() else 0
+
+
 def detect_launch(environ: Mapping[str, str] | None = None) -> LaunchInfo:
     env = os.environ if environ is None else environ
     host = socket.gethostname()

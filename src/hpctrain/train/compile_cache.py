@@ -17,16 +17,20 @@ traces again in a new process, and a graphed step is captured again (seconds).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import re
+import shutil
 import tarfile
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
+from hpctrain.fault.run_lock import process_start
 from hpctrain.perf.provenance import cpu_model
 
 log = logging.getLogger("hpctrain")
@@ -85,6 +89,8 @@ class CompileCache:
         """This rank's own folder (one per local rank: unpacking into a folder another rank reads from would hand
         it half-written files)."""
         self.saved_size = -1
+        self.broken = False
+        """Set by a failed save: the cache is optional, so the run goes on without packing it again."""
         self.managed = not user_cache_dir()
         """False when the user set TORCHINDUCTOR_CACHE_DIR: theirs is used as it is, and nothing is packed."""
 
@@ -120,9 +126,19 @@ class CompileCache:
 
     def save(self) -> None:
         """Rank 0: pack its node's folders (every local rank's) into the run's file, when they grew since the last
-        time. Streamed to a temporary file beside it and renamed: a reader sees the old file or the new one."""
-        if not (self.is_main and self.managed and self.node.is_dir()):
+        time. Streamed to a temporary file beside it and renamed: a reader sees the old file or the new one. An I/O
+        error (a full disk, a file Inductor removed meanwhile) is warned about once and ends the packing for this
+        run: the cache only saves compile time, and this is called right after a good checkpoint."""
+        if not (self.is_main and self.managed and not self.broken and self.node.is_dir()):
             return
+        try:
+            self._pack()
+        except (OSError, tarfile.TarError) as err:
+            self.broken = True
+            log.warning("compile cache: could not pack %s (%s); training goes on without it, and a requeued launch "
+                        "compiles afresh. Not tried again in this run", self.path, err)
+
+    def _pack(self) -> None:
         size = _size(self.node)
         if size <= self.saved_size:
             return
@@ -131,13 +147,62 @@ class CompileCache:
         try:
             with tarfile.open(tmp, mode="w") as tar:
                 for path in sorted(self.node.rglob("*")):
-                    if path.is_file() and not path.name.endswith(".lock"):
+                    if path.is_file() and not path.name.endswith(".lock") and path.name != OWNER:
                         tar.add(path, arcname=str(path.relative_to(self.node)))
             os.replace(tmp, self.path)
         finally:
             tmp.unlink(missing_ok=True)
         self.saved_size = size
         log.info("compile cache: packed %s (%.1f MB)", self.path, self.path.stat().st_size / 1e6)
+
+
+@contextlib.contextmanager
+def node_copy_removed(run_dir: Path, device: torch.device, local_rank: int, compiled: bool) -> Iterator[None]:
+    """Around a run's training: this rank's node-local folder is removed when it ends, however it ends (one folder
+    per run and node would otherwise pile up in $TMPDIR: a 100-point sweep leaves 100). The run's packed file is
+    what a resumed or requeued launch loads, on this node or another. Exited after the run's last barrier, which
+    follows rank 0's last save: no peer's folder disappears while rank 0 packs it. A process that is killed leaves
+    its folder; a later run on the node removes it (prune_dead_runs)."""
+    if not compiled:
+        yield
+        return
+    node = node_folder(cache_key(device), run_dir)
+    _claim(node / f"rank{local_rank}")
+    prune_dead_runs(node)
+    try:
+        yield
+    finally:
+        shutil.rmtree(node / f"rank{local_rank}", ignore_errors=True)
+        for empty in (node, node.parent):  # the last rank of the node to leave removes the run's folder
+            with contextlib.suppress(OSError):
+                empty.rmdir()
+
+
+OWNER = ".owner"
+"""In each rank's node-local folder: '<pid> <start>' of the process that uses it, for prune_dead_runs."""
+
+
+def _claim(folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / OWNER).write_text(f"{os.getpid()} {process_start(os.getpid())}")
+
+
+def prune_dead_runs(keep: Path) -> None:
+    """Remove this node's folders of runs whose processes were killed (their owner pid is gone or reused), except
+    ``keep``; folders without an owner file (hpctrain before this one) are left alone."""
+    for owner in _root().glob(f"*/*/rank*/{OWNER}"):
+        folder = owner.parent
+        if folder.parent == keep:
+            continue
+        try:
+            pid, _, started = owner.read_text().partition(" ")
+            if not started or process_start(int(pid)) == started:  # alive, or no /proc to tell
+                continue
+        except (OSError, ValueError):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            folder.parent.rmdir()
 
 
 def _extract(tar: tarfile.TarFile, members: list[tarfile.TarInfo], into: Path) -> None:

@@ -31,6 +31,7 @@ from hpctrain.fault.alerts import Alerter, resolve_webhook
 from hpctrain.fault.heartbeat import Heartbeat, Watchdog, format_stuck, slow_phase_limit
 from hpctrain.fault.inject import build_injector
 from hpctrain.fault.requeue import requeue_slurm_job
+from hpctrain.fault.run_lock import hold_run_dir
 from hpctrain.fault.signals import StopSignals, signal_name, stop_signal_names
 from hpctrain.fault.vote import StepVote
 from hpctrain.logs import recent_log_lines
@@ -42,7 +43,7 @@ from hpctrain.train.context import FaultState, TrainContext
 from hpctrain.train.ema import build_ema
 from hpctrain.train.evaluate import evaluate
 from hpctrain.train.optim import build_optimizer, build_scheduler
-from hpctrain.train.compile_cache import CompileCache
+from hpctrain.train.compile_cache import CompileCache, node_copy_removed
 from hpctrain.train.step import build_step, choose_step_mode, release_step
 from hpctrain.train.precision import resolve_precision
 from hpctrain.train.rng import restore_rng, seed_everything, seed_rank_streams
@@ -221,7 +222,16 @@ class Outcome:
 
 def run_training(cfg: RunConfig, runtime: Runtime, experiment: Experiment, config_text: str,
                  layout: str = "") -> Outcome:
-    """``layout``: the memory format chosen for this launch and why (train/layout.py), for the start-up lines."""
+    """``layout``: the memory format chosen for this launch and why (train/layout.py), for the start-up lines.
+    The run dir is locked first (one writer at a time: fault/run_lock.py), and this node's copy of the compile
+    cache removed at the end (the run dir's packed one is what a later launch loads)."""
+    with hold_run_dir(Path(cfg.run_dir), runtime), \
+            node_copy_removed(Path(cfg.run_dir), runtime.device, runtime.local_rank, cfg.train.compiled):
+        return _train_holding_run_dir(cfg, runtime, experiment, config_text, layout)
+
+
+def _train_holding_run_dir(cfg: RunConfig, runtime: Runtime, experiment: Experiment, config_text: str,
+                           layout: str) -> Outcome:
     started = time.perf_counter()
     ctx = build_context(cfg, runtime, experiment, config_text)
     alerter = Alerter(resolve_webhook(cfg.alert), cfg.alert, cfg.run_name, cfg.run_dir, runtime.job_id, runtime.rank)

@@ -1,0 +1,275 @@
+"""One writer per run dir: RUN_DIR/run.lock, taken by rank 0 before it writes anything and released at exit.
+
+Run dirs live on shared file systems (NFS, Lustre) where flock is unreliable across nodes, so the lock is a file
+that appears atomically (a hard link of a complete temporary file: it never exists half-written) plus a rule that
+says when its holder is provably dead and the lock may be taken over:
+
+- the holder ran on this host: dead when its pid is gone, or now belongs to another process (another start time,
+  or another boot);
+- the holder is an earlier start of our own Slurm job (same SLURM_JOB_ID, lower SLURM_RESTART_COUNT): a requeued
+  job takes over from itself at once, on whichever node it lands;
+- the holder ran on another host: dead when its heartbeat (a time in the file, rewritten every BEAT_S by a thread
+  of the holder) is older than STALE_S. A node that crashed thus blocks its run dir for STALE_S at most.
+
+A take-over replaces the file with os.replace under a second, short-lived guard file (run.lock.takeover), so two
+processes that both judge a holder dead cannot both win.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from hpctrain.dist.collectives import broadcast_object
+from hpctrain.dist.env import restart_count
+from hpctrain.dist.runtime import Runtime
+from hpctrain.errors import UserError, on_every_rank
+
+log = logging.getLogger("hpctrain")
+
+LOCK_FILE = "run.lock"
+GUARD_SUFFIX = ".takeover"
+BEAT_S = 30.0
+"""How often the holder rewrites its heartbeat into the lock file."""
+STALE_S = 300.0
+"""A lock from another host whose heartbeat is older than this is a dead holder's (ten missed beats: slow file
+systems and clock skew between nodes stay far below it)."""
+GUARD_STALE_S = 60.0
+"""A take-over guard older than this was left by a process that died while taking over."""
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Who holds (or wants) a run dir: what the lock file says, and what its liveness rule reads."""
+
+    host: str
+    """socket.gethostname() of the holder."""
+    pid: int
+    """The holder's process id (rank 0 of its training)."""
+    started: str
+    """The pid's start time since boot and the boot id (Linux /proc), to tell it from a later process of that pid;
+    '' where unknown."""
+    job_id: str = ""
+    """SLURM_JOB_ID, '' outside Slurm."""
+    restarts: int = 0
+    """SLURM_RESTART_COUNT: a requeued start of the same job has a higher one."""
+    since: float = 0.0
+    """When the holder took the lock (epoch seconds)."""
+    beat: float = 0.0
+    """The holder's last heartbeat (epoch seconds)."""
+    token: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """Unique per take: a holder rewrites or removes the file only while it is still its own."""
+
+    def describe(self) -> str:
+        job = f", Slurm job {self.job_id}" + (f" (restart {self.restarts})" if self.restarts else "") if self.job_id else ""
+        return f"pid {self.pid} on {self.host}{job}, since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.since))}"
+
+
+def this_process(job_id: str = "", restarts: int | None = None) -> Owner:
+    now = time.time()
+    return Owner(socket.gethostname(), os.getpid(), process_start(os.getpid()), job_id,
+                 restart_count() if restarts is None else restarts, now, now)
+
+
+def process_start(pid: int) -> str:
+    """'<start ticks>@<boot id>' for a live pid on Linux; '' when the pid is gone or there is no /proc."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+    # The command name (field 2) may hold spaces and parentheses: fields are counted after its closing one.
+    return f"{stat[stat.rindex(')') + 2:].split()[19]}@{boot}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def is_dead(holder: Owner, me: Owner, now: float | None = None) -> bool:
+    """The liveness rule (see the module's docstring): True only when the holder is provably gone."""
+    if holder.host == me.host:
+        if not _pid_alive(holder.pid):
+            return True
+        return bool(holder.started) and process_start(holder.pid) not in ("", holder.started)
+    if me.job_id and holder.job_id == me.job_id and holder.restarts < me.restarts:
+        return True  # our own job, requeued onto another node
+    return (time.time() if now is None else now) - holder.beat > STALE_S
+
+
+def read_owner(path: Path) -> Owner | None:
+    """The lock file's holder; None when there is no lock file. An unreadable one is a UserError that names it."""
+    try:
+        data = json.loads(path.read_text())
+        return Owner(**data)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError) as err:
+        raise UserError(f"the run dir's lock {path} is not readable ({err})",
+                        "no hpctrain writes such a file: make sure no training uses this run dir, then delete it.") \
+            from None
+
+
+def holder(run_dir: Path, me: Owner | None = None) -> str | None:
+    """A description of the live training that holds ``run_dir`` (host, pid, Slurm job, since when); None when it
+    is free or its holder is provably dead."""
+    owner = read_owner(Path(run_dir) / LOCK_FILE)
+    if owner is None or is_dead(owner, me or this_process()):
+        return None
+    return owner.describe()
+
+
+class RunLock:
+    """A held run dir lock: a thread rewrites its heartbeat until release()."""
+
+    def __init__(self, path: Path, owner: Owner) -> None:
+        self.path = path
+        self.owner = owner
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="hpctrain-run-lock", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(BEAT_S):
+            try:
+                if not self._still_mine():
+                    log.warning("run dir lock %s was taken over by another process; this run stops beating it",
+                                self.path)
+                    return
+                self.owner = _write_over(self.path, _with_beat(self.owner))
+            except OSError as err:  # a flaky mount: the next beat tries again, and STALE_S allows ten misses
+                log.warning("could not refresh the run dir lock %s: %s", self.path, err)
+
+    def _still_mine(self) -> bool:
+        try:
+            current = read_owner(self.path)
+        except UserError:
+            return False
+        return current is not None and current.token == self.owner.token
+
+    def release(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        with contextlib.suppress(OSError):
+            if self._still_mine():
+                self.path.unlink()
+
+
+def _with_beat(owner: Owner) -> Owner:
+    return Owner(**(asdict(owner) | {"beat": time.time()}))
+
+
+def _tmp_with(path: Path, owner: Owner) -> Path:
+    tmp = path.with_name(f".{path.name}.{owner.token}.tmp")
+    tmp.write_text(json.dumps(asdict(owner)) + "\n")
+    return tmp
+
+
+def _write_over(path: Path, owner: Owner) -> Owner:
+    os.replace(_tmp_with(path, owner), path)
+    return owner
+
+
+def _create(path: Path, owner: Owner) -> bool:
+    """Make ``path`` hold ``owner`` if it does not exist; False when it does. A hard link is atomic on NFS and
+    Lustre, and the file it makes is complete; a file system without hard links gets O_EXCL and a write."""
+    tmp = _tmp_with(path, owner)
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    except OSError:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            f.write(tmp.read_text())
+        return True
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def acquire(run_dir: Path, me: Owner | None = None) -> RunLock:
+    """Take the run dir for this process, or raise a UserError that names the live holder."""
+    me = me or this_process()
+    path = Path(run_dir) / LOCK_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(3):  # a holder that releases between our tries: look again
+        if _create(path, me):
+            return RunLock(path, me)
+        current = read_owner(path)
+        if current is None:
+            continue
+        if not is_dead(current, me):
+            raise busy(path, current)
+        if _take_over(path, current, me):
+            log.warning("run dir %s: took over the lock of %s, which is no longer running", run_dir,
+                        current.describe())
+            return RunLock(path, me)
+    raise UserError(f"could not take the run dir lock {path}: other processes keep taking it",
+                    "make sure only one training writes this run dir, then start again.")
+
+
+def busy(path: Path, current: Owner) -> UserError:
+    stop = (f"'hpctrain slurm cancel {current.job_id}'" if current.job_id else f"kill {current.pid} on {current.host}")
+    return UserError(
+        f"run dir {path.parent} is in use by another training: {current.describe()}; two trainings in one run dir "
+        "would overwrite each other's checkpoints and metrics",
+        f"wait for it to end, stop it ({stop}), or choose another run.dir. A holder on another host that died "
+        f"without releasing the lock is taken over {STALE_S / 60:.0f} minutes after its last heartbeat; if you "
+        f"know it is gone, delete {path}.")
+
+
+def _take_over(path: Path, dead: Owner, me: Owner) -> bool:
+    """Replace a dead holder's lock with ours; False when another process got there first."""
+    guard = path.with_name(path.name + GUARD_SUFFIX)
+    if not _create(guard, me):
+        with contextlib.suppress(OSError):
+            if time.time() - guard.stat().st_mtime > GUARD_STALE_S:
+                guard.unlink()  # left by a process that died taking over: the next try may take it
+        return False
+    try:
+        current = read_owner(path)
+        if current is None or current.token != dead.token:
+            return False  # released, or taken over by another in between
+        _write_over(path, me)
+        return True
+    finally:
+        guard.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def hold_run_dir(run_dir: Path, runtime: Runtime) -> Iterator[RunLock | None]:
+    """Rank 0 takes the lock before anything is written; its verdict goes to every rank on the control plane, so
+    all stop with the holder's name when it cannot (none waits in a collective for a rank 0 that quit)."""
+    lock, refusal = None, ("", "")
+    if runtime.is_main:
+        try:
+            lock = acquire(run_dir, this_process(runtime.job_id))
+        except UserError as err:
+            refusal = (str(err.args[0]), err.hint)
+    refusal = broadcast_object(refusal, runtime)
+    if refusal[0]:
+        raise on_every_rank(UserError(*refusal))
+    try:
+        yield lock
+    finally:
+        if lock is not None:
+            lock.release()
