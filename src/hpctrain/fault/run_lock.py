@@ -27,12 +27,13 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
-from hpctrain.dist.collectives import broadcast_object
 from hpctrain.dist.env import restart_count
-from hpctrain.dist.runtime import Runtime
 from hpctrain.errors import UserError, on_every_rank
+
+if TYPE_CHECKING:  # torch: not imported by `hpctrain slurm submit`, which asks holder() only
+    from hpctrain.dist.runtime import Runtime
 
 log = logging.getLogger("hpctrain")
 
@@ -259,6 +260,8 @@ def _take_over(path: Path, dead: Owner, me: Owner) -> bool:
 def hold_run_dir(run_dir: Path, runtime: Runtime) -> Iterator[RunLock | None]:
     """Rank 0 takes the lock before anything is written; its verdict goes to every rank on the control plane, so
     all stop with the holder's name when it cannot (none waits in a collective for a rank 0 that quit)."""
+    from hpctrain.dist.collectives import broadcast_object
+
     lock, refusal = None, ("", "")
     if runtime.is_main:
         try:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import os
+import shlex
 import sys
+import time
 from pathlib import Path
 
 from hpctrain.config.schema import RunConfig
@@ -42,8 +43,14 @@ def check_command(experiment: str, config_file: str | None, overrides: tuple[str
 
 
 def submit_command(experiment: str, config_file: str | None, overrides: tuple[str, ...], force: bool) -> int:
+    from hpctrain.train.entry import check_resume
+
     cfg = _resolve(experiment, config_file, overrides)
     spec = job.job_spec(cfg)
+    # What would fail on the nodes after the queue wait, refused here whatever --force says: a second writer of the
+    # run dir (its own job queued or running, or a training holding it), a checkpoint this config cannot resume.
+    job.refuse_busy_run_dir(Path(spec.run_dir))
+    check_resume(cfg)
     findings = check_findings(cfg, spec)
     errors = [f for f in findings if f.level == "error"]
     if errors and not force:
@@ -52,7 +59,8 @@ def submit_command(experiment: str, config_file: str | None, overrides: tuple[st
     job_id = job.submit(render.render_script(spec), Path(spec.run_dir))
     print(job_id)
     print(f"hpctrain: submitted job {job_id}; run dir {spec.run_dir}\n"
-          f"  hpctrain slurm status {spec.run_dir}\n  hpctrain slurm logs {spec.run_dir} --follow", file=sys.stderr)
+          f"  {shlex.join(['hpctrain', 'slurm', 'status', spec.run_dir])}\n"
+          f"  {shlex.join(['hpctrain', 'slurm', 'logs', spec.run_dir, '--follow'])}", file=sys.stderr)
     return 0
 
 
@@ -108,8 +116,38 @@ def logs_command(target: str, lines: int, follow: bool) -> int:
                         "a pending job has no log; check 'hpctrain slurm status' (the log appears when it starts).")
     path = files[-1]
     if follow:
-        os.execvp("tail", ["tail", "-n", str(lines), "-F", str(path)])
+        return follow_log(path, job_id, lines)
     text = path.read_text(errors="replace").splitlines()
     print(f"==> {path} <==")
     print("\n".join(text[-lines:]))
     return 0
+
+
+FOLLOW_POLL_S = 1.0
+"""How often --follow looks for new lines in the log."""
+FOLLOW_STATE_S = 10.0
+"""How often --follow asks Slurm whether the job still runs (scontrol: a request to the controller)."""
+
+
+def follow_log(path: Path, job_id: str, lines: int) -> int:
+    """The log's last lines, then what the job adds, until it has ended (tail -F never ended: issue 38 item 7).
+    A requeued job pends again and goes on writing here, so it is followed on. Ctrl-C ends it at once."""
+    print(f"==> {path} <== (following job {job_id} until it ends; Ctrl-C stops)", file=sys.stderr)
+    try:
+        with open(path, errors="replace") as log:
+            sys.stdout.write("".join(log.readlines()[-lines:]))
+            asked = 0.0
+            while True:
+                sys.stdout.write(log.read())
+                sys.stdout.flush()
+                if time.monotonic() - asked >= FOLLOW_STATE_S:
+                    asked = time.monotonic()
+                    state = job.job_fields(job_id).get("JobState", "")  # {} once Slurm forgot it: ended
+                    if not state or state in job.ENDED:
+                        sys.stdout.write(log.read())  # what it wrote before it ended
+                        print(f"hpctrain: job {job_id} has ended ({state or 'no longer known to Slurm'})",
+                              file=sys.stderr)
+                        return 0
+                time.sleep(FOLLOW_POLL_S)
+    except KeyboardInterrupt:
+        return 130

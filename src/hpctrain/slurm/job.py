@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from hpctrain.atomic import atomic_write_text
 from hpctrain.config.load import config_to_toml
 from hpctrain.config.schema import RunConfig
 from hpctrain.errors import UserError
+from hpctrain.fault import run_lock
 from hpctrain.slurm.render import JobSpec
 
 JOBS_FILE = "slurm/jobs.jsonl"
@@ -95,6 +97,37 @@ def recorded_jobs(run_dir: Path) -> list[str]:
     if not path.exists():
         return []
     return [json.loads(line)["job_id"] for line in path.read_text().splitlines() if line.strip()]
+
+
+ENDED = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+                   "DEADLINE", "PREEMPTED", "REVOKED"})
+"""Slurm's job states after which a job no longer trains; any other (pending, running, requeued, held, suspended,
+completing) may still write its run dir."""
+
+
+def live_recorded_job(run_dir: Path) -> tuple[str, str] | None:
+    """(job id, state) of a job submitted from this run dir that is still queued or running; None when none is."""
+    for job_id in reversed(recorded_jobs(run_dir)):
+        state = job_fields(job_id).get("JobState", "")  # {} when Slurm forgot it: ended long ago
+        if state and state not in ENDED:
+            return job_id, state
+    return None
+
+
+def refuse_busy_run_dir(run_dir: Path) -> None:
+    """Before sbatch: a run dir whose own job is still queued or running, or that a live training holds (a local
+    one, or another cluster's job: fault/run_lock.py), gets no second writer."""
+    live = live_recorded_job(run_dir)
+    if live is not None:
+        job_id, state = live
+        raise UserError(f"not submitted: run dir {run_dir} already has job {job_id} ({state}); two jobs would train "
+                        "it at once", f"wait for it ({shlex.join(['hpctrain', 'slurm', 'status', str(run_dir)])}), "
+                        f"or cancel it first ({shlex.join(['hpctrain', 'slurm', 'cancel', job_id])}), or choose "
+                        "another run.dir.")
+    who = run_lock.holder(run_dir)
+    if who is not None:
+        raise UserError(f"not submitted: run dir {run_dir} is in use by a running training ({who})",
+                        "wait for it to end or stop it, or choose another run.dir.")
 
 
 def resolve_target(target: str) -> tuple[str, Path | None]:

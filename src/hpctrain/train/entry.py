@@ -65,8 +65,15 @@ def preflight(cfg: RunConfig, world_size: int, command: str = "train") -> None:
         plan_batches(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
         ensure_writable(run_dir)
     resolve_webhook(cfg.alert)  # an unreadable alert.webhook_file is bad input, found before training
+    check_resume(cfg, command)
+
+
+def check_resume(cfg: RunConfig, command: str = "train") -> None:
+    """The checkpoint this launch would start from, against the config: the local launch checks it, and so does
+    `hpctrain slurm submit` before sbatch (a refusal after the queue wait would come from every rank)."""
     # Cheap checks only (the workers verify checksums before loading).
-    chosen, _ = select_checkpoint(run_dir / "checkpoints", cfg.ckpt.resume, cfg.experiment, verify_checksums=False)
+    chosen, _ = select_checkpoint(Path(cfg.run_dir) / "checkpoints", cfg.ckpt.resume, cfg.experiment,
+                                  verify_checksums=False)
     if command == "train" and chosen is not None:
         _check_saved_batch(chosen.path, cfg)
         refuse_fixed_changes(chosen.path, cfg)  # optim.name: the checkpoint's optimizer state belongs to it

@@ -1,0 +1,137 @@
+"""`hpctrain slurm submit` refuses before sbatch what would fail on the nodes after the queue wait: a run dir with a
+queued or running job or a live training in it, a checkpoint the config cannot resume. `slurm logs --follow` ends
+with the job; the commands it prints for pasting are shell-quoted. Slurm's commands are stand-ins on PATH."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from hpctrain.checkpoint.manager import Checkpointer
+from hpctrain.cli import main
+from hpctrain.dist.runtime import single_process_runtime
+from hpctrain.fault import run_lock
+from hpctrain.slurm import commands, job
+from hpctrain.train.state import TrainState
+
+
+@pytest.fixture
+def slurm(tmp_path, monkeypatch):
+    """Stand-in sbatch (records that it ran, answers job 4242) and scontrol (answers JobState=<state>, the state
+    read from a file the test writes; while a file 'append' exists, the call appends it to the log at 'log-path'
+    and answers RUNNING, as a job that still writes would)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "sbatch-calls"
+    state = tmp_path / "state"
+    state.write_text("RUNNING")
+    (bin_dir / "sbatch").write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\necho '4242;cluster'\n")
+    (bin_dir / "scontrol").write_text(
+        "#!/bin/sh\n"
+        f"now=$(head -n1 {state})\n"
+        f"if [ -f {tmp_path}/append ]; then cat {tmp_path}/append >> \"$(cat {tmp_path}/log-path)\"; "
+        f"rm {tmp_path}/append; now=RUNNING; fi\n"
+        f"echo \"JobId=$4 JobName=x JobState=$now Reason=None\"\n")
+    for name in ("sbatch", "scontrol"):
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    return dataclasses.make_dataclass("Slurm", ["calls", "state", "root"])(calls, state, tmp_path)
+
+
+def submit(run: Path, *extra: str) -> int:
+    return main(["slurm", "submit", "digits", f"run.dir={run}", "slurm.time=60", "ckpt.every_minutes=20", *extra])
+
+
+def record_job(run: Path, job_id: str) -> None:
+    (run / "slurm").mkdir(parents=True, exist_ok=True)
+    with open(run / job.JOBS_FILE, "a") as f:
+        f.write(json.dumps({"job_id": job_id}) + "\n")
+
+
+def test_a_run_dir_with_a_running_job_is_refused_before_sbatch(tmp_path, slurm, capsys):
+    run = tmp_path / "run"
+    record_job(run, "4100")
+    assert submit(run) == 2
+    err = capsys.readouterr().err
+    assert "already has job 4100 (RUNNING)" in err and "hpctrain slurm cancel 4100" in err
+    assert not slurm.calls.exists()  # sbatch never ran
+    slurm.state.write_text("PENDING")
+    assert submit(run) == 2 and "job 4100 (PENDING)" in capsys.readouterr().err
+    slurm.state.write_text("COMPLETED")  # ended: the run dir is free again
+    assert submit(run) == 0 and slurm.calls.exists()
+
+
+def test_a_run_dir_a_live_training_holds_is_refused_before_sbatch(tmp_path, slurm, capsys):
+    run = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        me = run_lock.this_process()
+        owner = run_lock.Owner(me.host, holder.pid, run_lock.process_start(holder.pid), since=1.0, beat=1.0)
+        run.mkdir()
+        (run / run_lock.LOCK_FILE).write_text(json.dumps(dataclasses.asdict(owner)))
+        assert submit(run) == 2
+    finally:
+        holder.kill()
+        holder.wait()
+    assert f"in use by a running training (pid {holder.pid} on {me.host}" in capsys.readouterr().err
+    assert not slurm.calls.exists()
+    assert submit(run) == 0  # its holder is gone: the stale lock does not block
+
+
+def save_checkpoint(run: Path, experiment: str, global_batch: int) -> None:
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    stateful = {"model": model, "optimizer": optimizer, "scaler": torch.amp.GradScaler("cpu", enabled=False),
+                "scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), "ema": None}
+    state = TrainState(step=20, epoch=1, step_in_epoch=6, samples_seen=800, global_batch_size=global_batch)
+    Checkpointer(run, experiment, single_process_runtime(torch.device("cpu")), "", 3).save(
+        state.to_dict(), stateful, {"python": None})
+
+
+@pytest.mark.parametrize("experiment, batch, says", [
+    ("digits", 40, "was saved with 40"), ("toy", 100, "was written by experiment 'toy'")])
+def test_a_checkpoint_the_config_cannot_resume_is_refused_before_sbatch(tmp_path, slurm, capsys, experiment, batch,
+                                                                        says):
+    run = tmp_path / "run"
+    save_checkpoint(run, experiment, batch)
+    assert submit(run, "train.global_batch_size=100") == 2
+    assert says in capsys.readouterr().err
+    assert not slurm.calls.exists()
+
+
+def test_printed_commands_are_shell_quoted(tmp_path, slurm, capsys):
+    run = tmp_path / "my runs" / "it's here"
+    assert submit(run) == 0
+    err = capsys.readouterr().err
+    status = next(line.strip() for line in err.splitlines() if "slurm status" in line)
+    assert shlex.split(status) == ["hpctrain", "slurm", "status", str(run)]
+    logs = next(line.strip() for line in err.splitlines() if "slurm logs" in line)
+    assert shlex.split(logs) == ["hpctrain", "slurm", "logs", str(run), "--follow"]
+
+
+def test_logs_follow_ends_when_the_job_has_ended(tmp_path, slurm, capsys, monkeypatch):
+    """tail -F never ended. The job writes one more line, then ends: the line is shown, and the command returns."""
+    monkeypatch.setattr(os, "execvp", lambda *a: pytest.fail("replaced itself by tail, which never ends"))
+    monkeypatch.setattr(commands, "FOLLOW_POLL_S", 0.01, raising=False)
+    monkeypatch.setattr(commands, "FOLLOW_STATE_S", 0.0, raising=False)
+    run = tmp_path / "run"
+    record_job(run, "4100")
+    (run / "logs").mkdir()
+    log = run / "logs" / "digits_4100.out"
+    log.write_text("".join(f"line {i}\n" for i in range(30)))
+    (slurm.root / "log-path").write_text(str(log))
+    (slurm.root / "append").write_text("step 7 done\n")  # written during the first scontrol call
+    slurm.state.write_text("COMPLETED")
+    assert main(["slurm", "logs", str(run), "-n", "5", "--follow"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == [f"line {i}" for i in range(25, 30)] + ["step 7 done"]
+    assert "job 4100 has ended (COMPLETED)" in captured.err
