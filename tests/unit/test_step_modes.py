@@ -179,13 +179,14 @@ def _context(tmp_path, monkeypatch, *extra: str):
 def _train(ctx, steps: int, poison: dict[int, str] | None = None,
            extra: object = None) -> tuple[list[float], list[float | None]]:
     """``steps`` optimizer steps as loop.train takes them; per step the loss and gradient norm. ``poison``: at a
-    step, 'short' drops a sample from each micro-batch. ``extra``: an object appended to every batch."""
+    step, 'short' drops a sample from each micro-batch. ``extra``: an object appended to every batch, or a function
+    of the step that gives it."""
     torch.manual_seed(ctx.state.step)  # dropout's draws: the same stream for each of the runs compared
     window = loop._Window(ctx.state.step)
     ctx.sampler.set_position(ctx.state.epoch, ctx.state.step_in_epoch)
     batches = _poisoned(iter(ctx.train_loader), ctx, poison or {})
     if extra is not None:
-        batches = ((*batch, extra) for batch in batches)
+        batches = ((*batch, extra(ctx.state.step) if callable(extra) else extra) for batch in batches)
     losses, norms = [], []
     for _ in range(steps):
         loss, norm = ctx.stepper(ctx, batches, window)
@@ -306,3 +307,39 @@ def test_a_batch_that_is_not_tensors_is_not_captured(tmp_path, monkeypatch):
     monkeypatch.setattr(ctx.experiment, "train_loss", lambda model, batch, info: loss(model, batch[:1], info))
     losses, _ = _train(ctx, 3, extra=object())
     assert ctx.stepper.failed.startswith("the batch holds object, not tensors") and all(map(math.isfinite, losses))
+
+
+def _weighted(ctx, monkeypatch) -> None:
+    """The loss scaled by a Python float the batch carries (a collate's per-batch loss weight or mixup lambda)."""
+    loss = ctx.experiment.train_loss
+    monkeypatch.setattr(ctx.experiment, "train_loss", lambda model, batch, info: loss(model, batch[:-1], info) * batch[-1])
+
+
+def test_a_changed_python_number_in_the_batch_runs_eagerly_never_the_captured_value(pair, monkeypatch, caplog):
+    """A replay would compute with the value the capture saw (issue 37: graphed losses 3.16, 3.02, 3.04 where eager
+    had 4.22, 5.04, 6.08): a batch whose non-tensor leaves differ from the captured ones runs eagerly."""
+    eager, graphed = pair()
+    for ctx in (eager, graphed):
+        _weighted(ctx, monkeypatch)
+    weight = lambda step: 1.0 + 0.25 * step  # noqa: E731
+    e_loss, _ = _train(eager, 6, extra=weight)
+    g_loss, _ = _train(graphed, 6, extra=weight)
+    assert graphed.stepper.graph is not None
+    assert g_loss == pytest.approx(e_loss, rel=1e-5)
+    assert "non-tensor value 0 (float) is 1.75, captured as 1.5; such steps run eagerly" in caplog.text
+    assert "return it from the collate as a tensor" in caplog.text
+
+
+def test_an_unchanged_python_number_is_replayed_and_a_changed_one_stops_a_distributed_run(pair, monkeypatch):
+    """Under DDP the other ranks would replay their captured all-reduces: a changed value is an error there."""
+    _, graphed = pair()
+    _weighted(graphed, monkeypatch)
+    eager_steps = []
+    monkeypatch.setattr(graphed.stepper, "_eager_with", lambda *a, **k: eager_steps.append(a) or (0, None))
+    _train(graphed, 5, extra=0.5)
+    assert graphed.stepper.graph is not None and not eager_steps  # a constant stays a constant: replayed
+    graphed.runtime = dataclasses.replace(graphed.runtime, world_size=2)
+    with pytest.raises(UserError, match="step 5 has a batch whose non-tensor value 0 .float. is 2.0, captured as 0.5 "
+                                        "on rank 0") as err:
+        _train(graphed, 1, extra=2.0)
+    assert err.value.hint.startswith("return it from the collate as a tensor")

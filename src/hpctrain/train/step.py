@@ -379,7 +379,8 @@ class GraphedStep:
         self.graph: Any = None
         self.failed = ""
         self.pending: collections.deque = collections.deque()
-        self.reshaped_warned = False
+        self.warned: set[str] = set()
+        """The kinds of eager steps among replays already said in the log (once each)."""
 
     def __call__(self, ctx, batches: Iterator, window) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.failed:
@@ -396,12 +397,13 @@ class GraphedStep:
             self._capture_or_fall_back(ctx, micro)
             if self.failed:
                 return self._eager_with(ctx, micro, step)
-        if not self._fits(micro):
+        misfit = self._misfit(micro)
+        if misfit:
             window.disturbed = True  # an eager step among replays
             if ctx.runtime.distributed:  # the other ranks replay captured all-reduces this rank would not join
-                raise UserError(f"train.step_mode=graphed: step {step} has a batch of another shape than the captured "
-                                f"one on rank {ctx.runtime.rank}", "set train.step_mode=eager for this data.")
-            return self._eager_with(ctx, micro, step)
+                raise UserError(f"train.step_mode=graphed: step {step} has {misfit.text} on rank {ctx.runtime.rank}",
+                                misfit.hint + "set train.step_mode=eager for this data.")
+            return self._eager_with(ctx, micro, step, misfit)
         ctx.fault.heartbeat.mark("forward")
         self._load(ctx, micro, step)
         self.graph.replay()
@@ -450,7 +452,7 @@ class GraphedStep:
             raise CaptureError(f"the batch holds {', '.join(odd)}, not tensors: the graph can only take tensors as "
                                "its inputs, copied into it at each step")
         self.static = [tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, b) for b in micro]
-        self.shapes = _shapes(self.static)  # once: every step compares its batches with these
+        self.key = [batch_key(b) for b in self.static]  # once: every step compares its batches with these
         if len(self.eager.recording) != len(micro):
             raise CaptureError("no eager step ran before the capture (train.step_mode=graphed needs its warm-up)")
         self.infos = [StaticDraws(device, r.draws) for r in self.eager.recording]
@@ -527,8 +529,20 @@ class GraphedStep:
 
     # -- every step --------------------------------------------------------------------------------------------
 
-    def _fits(self, micro: list) -> bool:
-        return _shapes(micro) == self.shapes
+    def _misfit(self, micro: list) -> Misfit | None:
+        """How this step's batches differ from the captured ones (None: they fit): a replay would run the captured
+        shapes and the captured non-tensor values (a per-batch loss weight, a mixup lambda, a task id)."""
+        for batch, key in zip(micro, self.key):
+            spec, shapes, constants = batch_key(batch)
+            if (spec, shapes) != key[:2]:
+                return Misfit("shape", "a batch of another shape than the captured one", "")
+            if constants != key[2]:
+                changed = next(i for i, (a, b) in enumerate(zip(constants, key[2])) if a != b)
+                now, then = constants[changed][1], key[2][changed][1]
+                return Misfit("value", f"a batch whose non-tensor value {changed} ({type(now).__name__}) is {now!r}, "
+                              f"captured as {then!r}",
+                              "return it from the collate as a tensor (copied into the graph at every step), or ")
+        return None
 
     def _load(self, ctx, micro: list, step: int) -> None:
         for k, batch in enumerate(micro):
@@ -549,12 +563,16 @@ class GraphedStep:
         while len(self.pending) > MAX_AHEAD:
             self.pending.popleft().synchronize()
 
-    def _eager_with(self, ctx, micro: list, step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A step with batches the graph was not captured for (a shorter batch): run eagerly. Its gradients must
-        not add to the graph's: those tensors are set aside first (the graph keeps writing its own memory)."""
-        if self.graph is not None and not self.reshaped_warned and ctx.runtime.is_main:
-            self.reshaped_warned = True
-            log.warning("step %d: a batch of another shape than the captured one; such steps run eagerly", step)
+    def _eager_with(self, ctx, micro: list, step: int,
+                    misfit: Misfit | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A step with batches the graph was not captured for (a shorter batch, another non-tensor value): run
+        eagerly. Its gradients must not add to the graph's: those tensors are set aside first (the graph keeps
+        writing its own memory)."""
+        if misfit is not None and misfit.kind not in self.warned and ctx.runtime.is_main:
+            self.warned.add(misfit.kind)
+            log.warning("step %d: %s; such steps run eagerly (a replay would use the captured one)%s", step,
+                        misfit.text, f". To keep them in the graph: {misfit.hint.removesuffix(', or ')}"
+                        if misfit.hint else "")
         ctx.optimizer.zero_grad(set_to_none=True)
         batches = iter(micro)
         losses = [micro_step(ctx, next(batches), step, k, cache=False) for k in range(len(micro))]
@@ -563,8 +581,22 @@ class GraphedStep:
         return loss, apply_gradients(ctx)
 
 
-def _shapes(batches: list) -> list:
-    return [[tuple(t.shape) for t in tree_flatten(b)[0] if isinstance(t, torch.Tensor)] for b in batches]
+@dataclass(frozen=True)
+class Misfit:
+    kind: str
+    """shape or value: each kind is said once in the log."""
+    text: str
+    """What differs, for the log line and the error."""
+    hint: str
+    """What keeps such batches in the graph ('' when nothing does)."""
+
+
+def batch_key(batch: Any) -> tuple[Any, list, list]:
+    """What a captured step holds fixed about a micro-batch: its structure, its tensors' shapes and its non-tensor
+    leaves (type and value: True, 1 and 1.0 are different constants to the step's code)."""
+    leaves, spec = tree_flatten(batch)
+    shapes = [tuple(t.shape) for t in leaves if isinstance(t, torch.Tensor)]
+    return spec, shapes, [(type(x), x) for x in leaves if not isinstance(x, torch.Tensor)]
 
 
 def release_step(ctx) -> None:
