@@ -47,6 +47,12 @@ class TrainSection:
     (V100, T4: emulated bf16 is slower than fp32), fp32 on CPUs. fp16 always uses a GradScaler."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
+    max_skipped_steps: int = 20
+    """A step whose gradient is not finite (inf or NaN on any rank) is skipped in every step mode: weights, optimizer
+    state and EMA stay as they were, the schedule moves on (GradScaler's rule); the train record lists it
+    (skipped_steps, skipped_at). More than this many skipped in a row stop the run with an error (a diverged run,
+    or inf/NaN in the data); 0: stop at the first. fp16's GradScaler skips a few steps at the start while it finds
+    its scale: keep it above those."""
     compile: bool = False
     """Run torch.compile on the DDP-wrapped model (torch's order for compiled DDP: gradient all-reduces overlap the
     compiled backward). The first steps are slow while it compiles. A graph that fails to compile runs eagerly, with

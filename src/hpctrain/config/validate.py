@@ -41,6 +41,8 @@ def validate(cfg: RunConfig) -> None:
     _require(t.epochs > 0 or t.max_steps > 0, "train.epochs", "must be positive when train.max_steps is 0")
     _require(t.stop_at_step >= 0, "train.stop_at_step", "must be >= 0 (0: run to the end)")
     _require(t.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
+    _require(t.max_skipped_steps >= 0, "train.max_skipped_steps",
+             f"must be >= 0 (0: stop at the first step skipped for a non-finite gradient), got {t.max_skipped_steps}")
     _require(o.lr > 0, "optim.lr", f"must be positive, got {o.lr}")
     _require(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
     _require(all(0 <= b < 1 for b in o.betas), "optim.betas", f"each beta must be in [0, 1), got {list(o.betas)}")

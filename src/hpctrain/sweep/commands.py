@@ -54,6 +54,8 @@ def submit_command(req: SubmitRequest) -> int:
         print(f"hpctrain: every point of {plan.sweep_dir} is done; nothing to submit (hpctrain report "
               f"{plan.sweep_dir})", file=sys.stderr)
         return 0
+    # A point that trains here (--local, a plain `hpctrain train`) or in another job would get a second writer.
+    job.refuse_held_run_dirs([Path(configs[p.name].run_dir) for p in plan.points])
     spec = array_spec(plan, configs, req.max_parallel, tuple(int(i) for i in todo))
     if req.dry_run:
         print(render.render_script(spec), end="")

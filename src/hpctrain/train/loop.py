@@ -20,6 +20,7 @@ from hpctrain.train.evaluate import evaluate
 from hpctrain.train.optim import base_lr
 from hpctrain.train.outputs import Outputs, run_outputs
 from hpctrain.train.rng import capture_rng
+from hpctrain.train.skips import settle_skips, skip_fields
 
 log = logging.getLogger("hpctrain")
 
@@ -126,6 +127,7 @@ def validate(ctx: TrainContext) -> dict[str, float]:
 
 def _save(ctx: TrainContext, wait: bool) -> None:
     ctx.fault.heartbeat.mark("checkpoint")
+    settle_skips(ctx)  # the train state's skip counts up to this step, for the resumed run
     ctx.checkpointer.save(ctx.state.to_dict(), ctx.stateful(), capture_rng(ctx.runtime.device), wait=wait)
     if ctx.compile_cache is not None:
         ctx.compile_cache.save()  # rank 0, when it grew: what a requeued launch on another node loads
@@ -242,6 +244,7 @@ def log_train(ctx: TrainContext, window: "_Window") -> None:
     _warn_if_host_bound(ctx, window, wait_frac, record.get("gpu_busy"))
     if window.grad_norm is not None:
         record["grad_norm"] = float(window.grad_norm)
+    record |= skip_fields(ctx)  # the steps skipped for a non-finite gradient, when any
     ctx.metrics.log(record)
     window.reset(ctx.state.step)
 

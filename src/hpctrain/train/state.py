@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,11 @@ class TrainState:
     outputs_pending: bool = False
     """The same for the experiment's outputs (samples, figures) due at the stop's step: the resumed run makes them
     first, after the pending validation."""
+    skipped_in_a_row: int = 0
+    """Steps skipped for a non-finite gradient in a row up to here (train/skips.py): a resumed run stops at the same
+    step as an uninterrupted one when train.max_skipped_steps is passed."""
+    skipped_at: list[int] = field(default_factory=list)
+    """The steps skipped since the last train record (its skipped_steps and skipped_at)."""
 
     def advance(self, global_batch_size: int, steps_per_epoch: int) -> None:
         self.step += 1
@@ -48,6 +53,8 @@ class TrainState:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainState":
         known = {k: int(data[k]) for k in ("step", "epoch", "step_in_epoch", "samples_seen")}
+        known |= {"skipped_in_a_row": int(data.get("skipped_in_a_row", 0)),
+                  "skipped_at": [int(s) for s in data.get("skipped_at", [])]}
         return cls(**known, global_batch_size=int(data.get("global_batch_size", 0)),
                    data_order=str(data.get("data_order", "")), eval_pending=bool(data.get("eval_pending", False)),
                    outputs_pending=bool(data.get("outputs_pending", False)))

@@ -38,6 +38,7 @@ from hpctrain.errors import UserError
 from hpctrain.experiments.base import BatchInfo, call_train_loss
 from hpctrain.train.device import to_device
 from hpctrain.train.precision import Precision
+from hpctrain.train.skips import SkipLedger, flag_reader, not_finite
 
 log = logging.getLogger("hpctrain")
 
@@ -146,6 +147,8 @@ class EagerStep:
         self.cache = cache
         """Autocast's weight-cast cache; off in a graphed step's eager steps, as in its capture (a compiled model
         would otherwise see another autocast state there, and recompile during the capture)."""
+        self.skips = SkipLedger()
+        """The steps skipped for a non-finite gradient (train/skips.py), read by the train record."""
 
     def __call__(self, ctx, batches: Iterator, window) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One optimizer step over grad_accum micro-batches; returns this rank's mean loss (on device, no sync)."""
@@ -161,7 +164,13 @@ class EagerStep:
                 loss_sum += micro_step(ctx, fetch(ctx, batches, window), step, micro, self._info(micro), self.cache)
             loss = loss_sum / accum
         ctx.fault.heartbeat.mark("optimizer")
-        return loss, apply_gradients(ctx)
+        return loss, self.finish(ctx, step)
+
+    def finish(self, ctx, step: int) -> torch.Tensor | None:
+        """apply_gradients, its skip noted; returns the gradient norm when clipping."""
+        norm, skipped = apply_gradients(ctx)
+        self.skips.note(ctx, step + 1, skipped)
+        return norm
 
     def _info(self, micro: int) -> RecordingInfo | None:
         return None if self.recording is None else self.recording[micro]
@@ -210,22 +219,52 @@ def gradient_sync(model: torch.nn.Module, last: bool) -> contextlib.AbstractCont
     return contextlib.nullcontext() if last or ddp is None else ddp.no_sync()
 
 
-def apply_gradients(ctx) -> torch.Tensor | None:
-    """Clip, step, zero, schedule, average: what follows the backward passes; returns the gradient norm
-    when clipping (on device, no sync)."""
-    grad_norm = None
-    if ctx.cfg.train.grad_clip > 0:
+def apply_gradients(ctx) -> tuple[torch.Tensor | None, torch.Tensor | bool]:
+    """Clip, step, zero, schedule, average: what follows the backward passes. Returns the gradient norm when
+    clipping (on device, no sync) and whether the step was skipped for a non-finite gradient (train/skips.py: a
+    device flag where the optimizer reads one, else a bool read on the host)."""
+    clip = ctx.cfg.train.grad_clip
+    if clip > 0:
         ctx.scaler.unscale_(ctx.optimizer)  # clip the true gradient, not the fp16-scaled one
-        # The global norm under every strategy: under fsdp the gradients are DTensor shards, and torch reduces
-        # their norms over the ranks (every parameter is sharded, the root included; see dist/wrap.py).
-        grad_norm = full_value(torch.nn.utils.clip_grad_norm_(ctx.raw_model.parameters(), ctx.cfg.train.grad_clip))
-    ctx.scaler.step(ctx.optimizer)
+    norm = global_grad_norm(ctx, clip)
+    reader = flag_reader(ctx.optimizer)
+    skipped: torch.Tensor | bool = not_finite(norm) if reader is not None else not bool(torch.isfinite(norm))
+    if ctx.scaler.is_enabled():
+        ctx.scaler.step(ctx.optimizer)  # fp16: GradScaler skips on its own check of the same gradients
+    elif reader is not None:
+        reader.found_inf = skipped  # the fused kernels leave weights and state as they were when it is 1
+        try:
+            ctx.optimizer.step()
+        finally:
+            del reader.found_inf
+    elif not skipped:
+        ctx.optimizer.step()
     ctx.scaler.update()
     ctx.optimizer.zero_grad(set_to_none=True)
-    ctx.scheduler.step()
+    ctx.scheduler.step()  # a skipped step is a step: the schedule moves on, as under GradScaler and in a graph
     if ctx.ema is not None:
-        ctx.ema.update_parameters(ctx.raw_model)
-    return grad_norm
+        ema_step(ctx.ema, ctx.raw_model, skipped)
+    return (norm if clip > 0 else None), skipped
+
+
+def global_grad_norm(ctx, clip: float) -> torch.Tensor:
+    """The norm of all gradients of all ranks, clipped to ``clip`` when > 0: the same value on every rank."""
+    # Under fsdp the gradients are DTensor shards, and torch reduces their norms over the ranks (every parameter is
+    # sharded, the root included; see dist/wrap.py); under DDP and zero1 every rank holds the all-reduced gradients.
+    if clip > 0:
+        return full_value(torch.nn.utils.clip_grad_norm_(ctx.raw_model.parameters(), clip))
+    grads = [p.grad for p in ctx.raw_model.parameters() if p.grad is not None]
+    return full_value(torch.nn.utils.get_total_norm(grads))
+
+
+def ema_step(ema, model: torch.nn.Module, skipped: torch.Tensor | bool) -> None:
+    """The EMA's update after this step; a skipped step leaves its weights as they were (its count moves on)."""
+    if skipped is False or int(ema.n_averaged) == 0:
+        ema.update_parameters(model)  # the first update copies the model, which a skipped step left as it was
+        return
+    if skipped is not True:  # a device flag: the weight (1 - decay) becomes 0 on the device, no host read
+        ema_update(ema, model, (1 - skipped) * (1 - ema.decay))
+    ema.n_averaged += 1
 
 
 # ---- graphed -------------------------------------------------------------------------------------------------
@@ -376,6 +415,7 @@ class GraphedStep:
         """StepChoice.cudnn_for_graph: the fallback to eager turns cuDNN's algorithm search off."""
         self.eager = EagerStep(cache=False)
         self.eager.recording = []  # the warm-up notes the draws, for the capture's buffers
+        self.skips = self.eager.skips  # one ledger for the eager steps and the replays
         self.graph: Any = None
         self.failed = ""
         self.pending: collections.deque = collections.deque()
@@ -407,6 +447,7 @@ class GraphedStep:
         ctx.fault.heartbeat.mark("forward")
         self._load(ctx, micro, step)
         self.graph.replay()
+        self.skips.note(ctx, step + 1, self.found_inf)
         self._after_replay(ctx)
         return self.loss_out.clone(), (self.norm_out.clone() if ctx.cfg.train.grad_clip > 0 else None)
 
@@ -459,8 +500,9 @@ class GraphedStep:
         for k, draws in enumerate(self.infos):  # the capture step's own draws: a stand-in graph runs the body
             draws.refill(batch_info(ctx, ctx.state.step, k))
         self.lrs = [torch.tensor(float(g["lr"]), dtype=torch.float32, device=device) for g in opt.param_groups]
-        fused = all(g.get("fused") for g in opt.param_groups)
-        self.found_inf = torch.zeros((), dtype=torch.float32, device=device) if fused else None
+        if not all(g.get("fused") for g in opt.param_groups):
+            raise CaptureError("the optimizer is not fused: a captured step could not skip a non-finite gradient")
+        self.found_inf = torch.zeros((), dtype=torch.float32, device=device)
         self.ema_weight = None
         if ctx.ema is not None:
             self.ema_weight = torch.tensor(1.0 - ctx.ema.decay, dtype=torch.float32, device=device)
@@ -519,13 +561,11 @@ class GraphedStep:
         else:
             norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params])))
         self.norm_out = norm
-        if self.found_inf is not None:
-            # A step whose gradient is not finite is skipped by the fused optimizer and the EMA (GradScaler's rule).
-            self.found_inf.copy_((~torch.isfinite(norm)).float())
+        # A step whose gradient is not finite is skipped by the fused optimizer and the EMA (train/skips.py's rule).
+        self.found_inf.copy_(not_finite(norm))
         ctx.optimizer.step()
         if ctx.ema is not None:
-            weight = self.ema_weight if self.found_inf is None else self.ema_weight * (1 - self.found_inf)
-            ema_update(ctx.ema, ctx.raw_model, weight)
+            ema_update(ctx.ema, ctx.raw_model, self.ema_weight * (1 - self.found_inf))
 
     # -- every step --------------------------------------------------------------------------------------------
 
@@ -578,7 +618,7 @@ class GraphedStep:
         losses = [micro_step(ctx, next(batches), step, k, cache=False) for k in range(len(micro))]
         ctx.fault.heartbeat.mark("optimizer")
         loss = torch.stack(losses).mean() if len(losses) > 1 else losses[0]
-        return loss, apply_gradients(ctx)
+        return loss, self.eager.finish(ctx, step)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,130 @@
+"""Steps skipped for a non-finite gradient: the one rule of every step mode (eager, compiled, graphed), and the
+ledger that logs them and stops a run that keeps skipping.
+
+The rule: a step whose global gradient norm is not finite (an inf or NaN in any gradient of any rank) changes
+nothing: not the weights, not the optimizer's state (moments, step count), not the EMA's weights. It is still a
+step: its batch is consumed, the learning-rate schedule and the EMA's update count move on. That is what
+GradScaler does with fp16, and what a captured graph must do (it cannot branch on the host); the eager warm-up steps
+of every graphed launch follow it too, so a resumed graphed run trains as an uninterrupted one.
+
+The decision is the same on every rank without a collective of its own: the norm is of the all-reduced gradients
+(DDP, ZeRO-1) or reduced over the shards (FSDP), as for clipping. Where the optimizer takes a device flag (torch's
+fused AdamW and SGD read ``found_inf``, as GradScaler uses them) the step is skipped on the device and the host reads
+the flag two steps late, when the GPU has finished that step anyway: no wait in the hot path. Elsewhere (the CPU's
+foreach optimizers, an optimizer without fused kernels) the host reads the flag at once and does not call step().
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+import torch
+
+from hpctrain.errors import UserError, on_every_rank
+
+log = logging.getLogger("hpctrain")
+
+LAG = 2
+"""Steps between a device flag's step and its read on the host: the GPU has finished that step by then (the graphed
+step's MAX_AHEAD), so the read waits for nothing the host could otherwise queue."""
+
+
+def flag_reader(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
+    """The optimizer that skips its own update on a device flag (``found_inf``), or None where the host must decide.
+
+    torch's fused kernels read the flag; ZeRO-1 steps its partition with the inner optimizer. Not on the first step:
+    torch's fused SGD creates its momentum buffers uninitialised there and a skipped first step would keep them."""
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's own optimizer
+    fused = getattr(inner, "_step_supports_amp_scaling", False) and all(g.get("fused") for g in inner.param_groups)
+    return inner if fused and inner.state else None
+
+
+def not_finite(norm: torch.Tensor) -> torch.Tensor:
+    """1.0 where the gradient norm is inf or NaN, else 0.0 (float32: the fused optimizers' found_inf)."""
+    return (~torch.isfinite(norm)).float()
+
+
+class SkipLedger:
+    """The steps skipped, read on the host: logged, listed for the train record and limited (train.max_skipped_steps
+    in a row). Both the list and the count in a row are in TrainState: a checkpoint holds them, and a resumed run
+    goes on with them."""
+
+    def __init__(self) -> None:
+        self.pending: collections.deque = collections.deque()
+        """(step, pinned host copy of the device flag, event after the copy), oldest first."""
+
+    def note(self, ctx, step: int, skipped: torch.Tensor | bool) -> None:
+        """Step ``step`` (numbered as the records: steps done after it) was skipped: a host bool, or a device flag."""
+        if isinstance(skipped, bool) or not self._later(skipped):
+            self._count(ctx, step, bool(skipped))
+            return
+        self.pending.append((step, *self._copy(skipped)))
+        while len(self.pending) > LAG:
+            self._read_oldest(ctx)
+
+    def _later(self, flag: torch.Tensor) -> bool:
+        """A flag on a GPU is read later; on the CPU the value is there, and reading it waits for nothing."""
+        return flag.device.type == "cuda"
+
+    def _copy(self, flag: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """The flag copied to pinned host memory behind the step's work, and an event that says when it is there."""
+        host = torch.empty((), dtype=flag.dtype, pin_memory=True)
+        host.copy_(flag, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
+
+    def settle(self, ctx) -> None:
+        """Read every pending flag: before a checkpoint (its counts are then exact) and a train record."""
+        while self.pending:
+            self._read_oldest(ctx)
+
+    def _read_oldest(self, ctx) -> None:
+        step, host, done = self.pending.popleft()
+        done.synchronize()
+        self._count(ctx, step, bool(host))
+
+    def _count(self, ctx, step: int, skipped: bool) -> None:
+        state = ctx.state
+        if not skipped:
+            state.skipped_in_a_row = 0
+            return
+        state.skipped_at.append(step)
+        state.skipped_in_a_row += 1
+        if ctx.runtime.is_main:
+            log.warning("step %d skipped: the gradient is not finite (inf or NaN); weights, optimizer state and EMA "
+                        "unchanged (%d in a row)", step, state.skipped_in_a_row)
+        limit = ctx.cfg.train.max_skipped_steps
+        if state.skipped_in_a_row > limit:
+            raise too_many(state.skipped_in_a_row, step, limit)
+
+
+def too_many(in_a_row: int, step: int, limit: int) -> UserError:
+    """Every rank reads the same flags at the same step: every rank raises this there."""
+    first = step - in_a_row + 1
+    return on_every_rank(UserError(
+        f"{in_a_row} optimizer steps in a row (steps {first}-{step}) had a non-finite gradient (inf or NaN) and were "
+        f"skipped, more than train.max_skipped_steps={limit}: the run has diverged or its data holds inf/NaN. The "
+        f"weights have not changed since step {first - 1}; checkpoints saved since then hold them",
+        f"start again, or resume from a checkpoint saved before step {first} (ckpt.resume=RUN_DIR/checkpoints/step_...), "
+        "with a lower optim.lr, train.grad_clip > 0, or train.precision=bf16/fp32 instead of fp16; check the data for inf/NaN "
+        "(the train records' loss shows where it began); or raise train.max_skipped_steps if such runs of skips are "
+        "expected."))
+
+
+def settle_skips(ctx) -> None:
+    """Read the flags of the steps taken so far into the train state (a stepper without a ledger has none)."""
+    ledger = getattr(ctx.stepper, "skips", None)
+    if ledger is not None:
+        ledger.settle(ctx)
+
+
+def skip_fields(ctx) -> dict[str, int | list[int]]:
+    """The train record's skipped_steps (how many since the last record) and skipped_at (which), when any."""
+    settle_skips(ctx)
+    steps = getattr(ctx.state, "skipped_at", None)  # None: a stand-in state (the loop's unit tests)
+    if not steps:
+        return {}
+    ctx.state.skipped_at = []
+    return {"skipped_steps": len(steps), "skipped_at": steps}
