@@ -82,7 +82,7 @@ def test_a_run_dir_a_live_training_holds_is_refused_before_sbatch(tmp_path, slur
     finally:
         holder.kill()
         holder.wait()
-    assert f"in use by a running training (pid {holder.pid} on {me.host}" in capsys.readouterr().err
+    assert f"in use by a running training: {run} (pid {holder.pid} on {me.host}" in capsys.readouterr().err
     assert not slurm.calls.exists()
     assert submit(run) == 0  # its holder is gone: the stale lock does not block
 
@@ -135,3 +135,25 @@ def test_logs_follow_ends_when_the_job_has_ended(tmp_path, slurm, capsys, monkey
     captured = capsys.readouterr()
     assert captured.out.splitlines() == [f"line {i}" for i in range(25, 30)] + ["step 7 done"]
     assert "job 4100 has ended (COMPLETED)" in captured.err
+
+
+def test_a_sweep_point_that_a_live_training_holds_is_refused_before_sbatch(tmp_path, slurm, capsys):
+    """`sweep submit --local` (or a plain train) runs a point here: an array must not train it again at once."""
+    from hpctrain.sweep.plan import build_plan
+
+    args = ("train.max_steps=4", "slurm.time=60", "ckpt.every_minutes=20")
+    plan, configs = build_plan("digits", None, args, ["optim.lr=0.1,0.2"], str(tmp_path / "s"))
+    point = Path(configs[plan.points[1].name].run_dir)
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        me = run_lock.this_process()
+        owner = run_lock.Owner(me.host, holder.pid, run_lock.process_start(holder.pid), since=1.0, beat=1.0)
+        point.mkdir(parents=True)
+        (point / run_lock.LOCK_FILE).write_text(json.dumps(dataclasses.asdict(owner)))
+        code = main(["sweep", "submit", "digits", "--grid", "optim.lr=0.1,0.2", "--dir", str(tmp_path / "s"), *args])
+    finally:
+        holder.kill()
+        holder.wait()
+    assert code == 2
+    assert f"in use by a running training: {point} (pid {holder.pid}" in capsys.readouterr().err
+    assert not slurm.calls.exists()

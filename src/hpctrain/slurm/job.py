@@ -124,10 +124,15 @@ def refuse_busy_run_dir(run_dir: Path) -> None:
                         "it at once", f"wait for it ({shlex.join(['hpctrain', 'slurm', 'status', str(run_dir)])}), "
                         f"or cancel it first ({shlex.join(['hpctrain', 'slurm', 'cancel', job_id])}), or choose "
                         "another run.dir.")
-    who = run_lock.holder(run_dir)
-    if who is not None:
-        raise UserError(f"not submitted: run dir {run_dir} is in use by a running training ({who})",
-                        "wait for it to end or stop it, or choose another run.dir.")
+    refuse_held_run_dirs([run_dir])
+
+
+def refuse_held_run_dirs(run_dirs: list[Path]) -> None:
+    """Refused when a live training holds any of these run dirs (a sweep's points: one run dir each)."""
+    held = [f"{run_dir} ({who})" for run_dir in run_dirs if (who := run_lock.holder(run_dir)) is not None]
+    if held:
+        raise UserError(f"not submitted: in use by a running training: {'; '.join(held)}",
+                        "wait for it to end or stop it, or choose another run.dir (sweep dir).")
 
 
 def resolve_target(target: str) -> tuple[str, Path | None]:
