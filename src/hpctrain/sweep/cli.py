@@ -22,7 +22,8 @@ def add_sweep_parser(sub, add_run_args: Callable[[argparse.ArgumentParser], None
                         help="with --local: processes per point (as hpctrain train --nproc-per-node)")
     submit.add_argument("--dry-run", action="store_true", help="print the point table and the array script only")
     submit.add_argument("--allow-large", action="store_true", help="allow a grid of more than 1,000 points")
-    submit.add_argument("--force", action="store_true", help="submit despite errors found by the check")
+    submit.add_argument("--force", action="store_true", help="submit despite errors found by the check (with "
+                        "--local: run although no squeue here can check the sweep's array job has ended)")
     submit.set_defaults(func=run_sweep, command_name="sweep-submit")
     status = ssub.add_parser("status", help="every point's state, step and latest validation metric")
     status.add_argument("sweep_dir", metavar="SWEEP_DIR")
@@ -31,10 +32,10 @@ def add_sweep_parser(sub, add_run_args: Callable[[argparse.ArgumentParser], None
 
 
 def run_sweep(args: argparse.Namespace) -> int:
-    from hpctrain.sweep import commands
+    from hpctrain.sweep import commands, status
 
     if args.command_name == "sweep-status":
-        return commands.status_command(args.sweep_dir)
+        return status.status_command(args.sweep_dir)
     req = commands.SubmitRequest(args.experiment, args.config_file, tuple(args.overrides), tuple(args.grid),
                                  args.sweep_dir or f"sweeps/{args.experiment.replace(':', '-')}", args.max_parallel,
                                  args.local, args.nproc_per_node, args.dry_run, args.allow_large, args.force)

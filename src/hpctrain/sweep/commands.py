@@ -1,25 +1,22 @@
-"""`hpctrain sweep submit|status`: a grid as one Slurm job array (the single-run render, lint and submit code with an
-array spec), or with --local one run after another here; the status of every point from Slurm and the run dirs."""
+"""`hpctrain sweep submit`: a grid as one Slurm job array (the single-run render, lint and submit code with an
+array spec), or with --local one run after another here (the status of the points: sweep/status.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from hpctrain.atomic import atomic_write_text
 from hpctrain.errors import UserError
-from hpctrain.metrics.records import metric_values, read_metrics
 from hpctrain.slurm import facts, job, lint, render
-from hpctrain.sweep.plan import SweepPlan, build_plan, read_plan, write_plan
-
-STATUS_DIR = "status"
-"""SWEEP_DIR/status/NAME.json: how a local run of a point ended (state, exit code, its error line)."""
+from hpctrain.sweep.plan import SWEEP_FILE, SweepPlan, build_plan, check_same_sweep, write_plan
+from hpctrain.sweep.status import STATUS_DIR, collect_status, is_error
 
 
 @dataclass(frozen=True)
@@ -44,12 +41,17 @@ def submit_command(req: SubmitRequest) -> int:
     plan, configs = build_plan(req.experiment, req.config_file, req.overrides, list(req.grid), req.sweep_dir,
                                req.allow_large)
     print(point_table(plan), file=sys.stderr)
+    going_on = (plan.sweep_dir / SWEEP_FILE).exists()
+    if going_on:  # another grid or settings in a used dir: refused whatever state its points are in
+        check_same_sweep(plan, configs)
     if req.local:
         if req.dry_run:
             return 0
+        if going_on:
+            _refuse_live_array(plan, req.force)
         write_plan(plan, configs)
         return run_locally(plan, req.nproc_per_node)
-    todo = _unfinished(plan) if (plan.sweep_dir / "sweep.toml").exists() else ()
+    todo = _unfinished(plan) if going_on else ()
     if todo == ("none",):
         print(f"hpctrain: every point of {plan.sweep_dir} is done; nothing to submit (hpctrain report "
               f"{plan.sweep_dir})", file=sys.stderr)
@@ -77,16 +79,33 @@ def submit_command(req: SubmitRequest) -> int:
 def _unfinished(plan: SweepPlan) -> tuple[str, ...]:
     """Going on with a sweep submitted before: refused while its array is still queued or running (two trainings
     would write one run dir); else the indices of the points not done (("none",) when all are)."""
-    jobs = job.recorded_jobs(plan.sweep_dir)
-    if jobs:
-        proc = job.run_slurm(["squeue", "--noheader", "--array", "--jobs", jobs[-1], "--format=%i"])
-        if proc.returncode == 0 and proc.stdout.strip():
-            raise UserError(f"the sweep in {plan.sweep_dir} still has array job {jobs[-1]} queued or running",
-                            f"wait for it (hpctrain sweep status {plan.sweep_dir}), or cancel it first "
-                            f"(hpctrain slurm cancel {jobs[-1]}); then the same command submits the unfinished points.")
+    _refuse_live_array(plan)
     states = collect_status(plan)
     todo = tuple(str(p.index) for p, s in zip(plan.points, states) if s.state != "done")
     return todo or ("none",)
+
+
+def _refuse_live_array(plan: SweepPlan, force: bool = False) -> None:
+    """Refused while the sweep's last array job is queued or running: its tasks and this submit (an array, or
+    --local) would train the same run dirs at once. Without squeue here (--local on another machine) the array
+    cannot be checked: refused unless force."""
+    jobs = job.recorded_jobs(plan.sweep_dir)
+    if not jobs:
+        return
+    try:
+        proc = job.run_slurm(["squeue", "--noheader", "--array", "--jobs", jobs[-1], "--format=%i"])
+    except UserError as err:
+        if force:
+            return
+        raise UserError(f"the sweep in {plan.sweep_dir} was submitted to Slurm as array job {jobs[-1]}, and "
+                        f"{err.args[0] if err.args else err}, so whether it still runs cannot be checked",
+                        f"check on the cluster that array job {jobs[-1]} has left the queue (squeue -j {jobs[-1]}), "
+                        "then pass --force to run the points here.") from None
+    if proc.returncode == 0 and proc.stdout.strip():
+        raise UserError(f"the sweep in {plan.sweep_dir} still has array job {jobs[-1]} queued or running",
+                        f"wait for it (hpctrain sweep status {plan.sweep_dir}), or cancel it first "
+                        f"(hpctrain slurm cancel {jobs[-1]}); then the same command goes on with the unfinished "
+                        "points.")
 
 
 def point_table(plan: SweepPlan) -> str:
@@ -156,172 +175,26 @@ def _record(plan: SweepPlan, name: str, state: str, code: int | None, error: str
 
 
 def _run_point(args: list[str]) -> tuple[int, str]:
-    """Run one point, its output passed through; (exit code, its last error line or '')."""
+    """Run one point, its output passed through; (exit code, its last error line or ''). A thread reads its stderr
+    to the end, after a Ctrl-C too: a point that writes more than a pipe holds (64 KiB) while it shuts down would
+    otherwise block on the full pipe, and the sweep waiting for it would never end."""
     proc = subprocess.Popen(args, stdout=None, stderr=subprocess.PIPE, text=True, errors="replace")
-    error = ""
-    try:
-        for line in proc.stderr:  # type: ignore[union-attr]
-            sys.stderr.write(line)
-            if _is_error(line):
-                error = line.strip()
-        code = proc.wait()
-    except KeyboardInterrupt:  # the point got the same SIGINT: wait for its checkpoint
-        code = proc.wait()
-        code = 130 if code == 0 else code
-    return code, error
+    last_error = [""]
+    reader = threading.Thread(target=_pass_through, args=(proc.stderr, last_error), daemon=True)
+    reader.start()
+    interrupted = False
+    while True:
+        try:
+            code = proc.wait()
+            reader.join()
+            break
+        except KeyboardInterrupt:  # the point got the same SIGINT: wait for its checkpoint (after a second one too)
+            interrupted = True
+    return (130 if interrupted and code == 0 else code), last_error[0]
 
 
-ERROR_LINE = re.compile(r"^(hpctrain: error\b|hpctrain: worker rank .* failed|[A-Za-z_.]*(Error|Exception): |"
-                        r"error: )")
-"""A line that says what went wrong: hpctrain's own error line, the launcher's failed-rank line, a Python exception.
-Not the job script's own lines ('hpctrain: job step ended with exit code N', 'hpctrain: launching: ...')."""
-
-
-def _is_error(line: str) -> bool:
-    return bool(ERROR_LINE.match(line.strip()))
-
-
-# ---- status ----------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class PointStatus:
-    name: str
-    state: str
-    """pending, running, done, failed, requeued (running again after a requeue), stopped, or unknown."""
-    step: int | None
-    metric: tuple[str, float] | None
-    """The latest validation value of the experiment's main metric."""
-    detail: str = ""
-
-
-def status_command(sweep_dir: str) -> int:
-    plan = read_plan(Path(sweep_dir))
-    print(status_text(plan, collect_status(plan)))
-    return 0
-
-
-def collect_status(plan: SweepPlan) -> list[PointStatus]:
-    from hpctrain.experiments import resolve_experiment
-
-    main = resolve_experiment(plan.experiment).main_metric
-    slurm_states = _array_states(plan)
-    out = []
-    for p in plan.points:
-        records = _records(plan.run_dir(p))
-        train = [r for r in records if r["split"] == "train"]
-        val = [r for r in records if r["split"] == "val" and main in metric_values(r)]
-        state, detail = slurm_states.get(p.index) or _local_state(plan, p.name)
-        out.append(PointStatus(p.name, state, train[-1]["step"] if train else None,
-                               (main, metric_values(val[-1])[main]) if val else None, detail))
-    return out
-
-
-def status_text(plan: SweepPlan, points: list[PointStatus]) -> str:
-    lines = [f"sweep {plan.sweep_dir}: {plan.experiment}, {len(points)} point(s)",
-             "| point | state | step | latest validation | |", "|---|---|---:|---|---|"]
-    for s in points:
-        metric = f"{s.metric[0]} {s.metric[1]:.4g}" if s.metric else "-"
-        lines.append(f"| {s.name} | {s.state} | {'-' if s.step is None else s.step} | {metric} | {s.detail} |")
-    counts: dict[str, int] = {}
-    for s in points:
-        counts[s.state] = counts.get(s.state, 0) + 1
-    return "\n".join(lines + [", ".join(f"{n} {k}" for k, n in counts.items())])
-
-
-def _records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return read_metrics(path) if path.exists() else []
-
-
-def _local_state(plan: SweepPlan, name: str) -> tuple[str, str]:
-    path = plan.sweep_dir / STATUS_DIR / f"{name}.json"
-    if path.exists():
-        record = json.loads(path.read_text())
-        return record["state"], record.get("error", "")
-    return ("not run", "") if not (plan.sweep_dir / name).exists() else ("stopped", "")
-
-
-SLURM_STATES = {"PENDING": "pending", "CONFIGURING": "running", "RUNNING": "running", "COMPLETING": "running",
-                "COMPLETED": "done", "FAILED": "failed", "CANCELLED": "failed", "TIMEOUT": "failed",
-                "OUT_OF_MEMORY": "failed", "NODE_FAIL": "failed", "PREEMPTED": "requeued", "REQUEUED": "requeued",
-                "REQUEUE_HOLD": "requeued", "REQUEUE_FED": "requeued"}
-
-
-def _array_states(plan: SweepPlan) -> dict[int, tuple[str, str]]:
-    """Array index -> (state, detail) from Slurm for the sweep's last array job; {} for a local sweep. One scontrol
-    call for every task Slurm still knows (pending ranges, requeue counts, exit codes), one sacct call for those it
-    has forgotten (where accounting is set up), then the task logs; the logs alone where this machine has no Slurm
-    commands."""
-    jobs = job.recorded_jobs(plan.sweep_dir)
-    if not jobs:
-        return {}
-    array_id = jobs[-1]
-    states: dict[int, tuple[str, str]] = {}
-    try:
-        proc = job.run_slurm(["scontrol", "show", "job", "--oneliner", array_id])
-        for line in (proc.stdout.splitlines() if proc.returncode == 0 else []):
-            fields = job.parse_scontrol_fields(line)
-            for index in _indices(fields.get("ArrayTaskId", "")):
-                states[index] = _slurm_state(fields.get("JobState", ""), fields.get("Restarts", "0"),
-                                             fields.get("ExitCode", "0:0"), fields.get("Reason", ""))
-        missing = [p.index for p in plan.points if p.index not in states]
-        if missing:
-            proc = job.run_slurm(["sacct", "--noheader", "--parsable2", "-X", "--format=JobID,State,ExitCode",
-                                  "-j", array_id])
-            for line in (proc.stdout.splitlines() if proc.returncode == 0 else []):
-                task, _, rest = line.partition("|")
-                state, _, exit_code = rest.partition("|")
-                for index in _indices(task.split("_", 1)[1]) if "_" in task else []:
-                    states.setdefault(index, _slurm_state(state.split()[0] if state else "", "0", exit_code, ""))
-    except UserError:  # no Slurm commands here (a copy of the sweep dir): the task logs
-        pass
-    for p in plan.points:
-        if p.index not in states:
-            states[p.index] = _state_from_log(plan, array_id, p.index)
-    return states
-
-
-def _slurm_state(state: str, restarts: str, exit_code: str, reason: str) -> tuple[str, str]:
-    name = SLURM_STATES.get(state, state.lower() or "unknown")
-    requeues = int(restarts or 0) if (restarts or "0").isdigit() else 0
-    if requeues and name in ("pending", "running"):
-        name = "requeued"
-    detail = [f"requeued {requeues} time(s)" if requeues else "",
-              f"exit code {exit_code}" if name == "failed" else "",
-              reason if name in ("pending", "requeued") and reason not in ("", "None") else ""]
-    return name, ", ".join(d for d in detail if d)
-
-
-def _indices(tasks: str) -> list[int]:
-    """Array indices of '3', '[2-5%2]', '0,4-6' ([] for anything else)."""
-    tasks = tasks.strip("[]").split("%")[0]
-    out: list[int] = []
-    for part in tasks.split(","):
-        lo, dash, hi = part.partition("-")
-        if dash and lo.isdigit() and hi.isdigit():
-            out += range(int(lo), int(hi) + 1)
-        elif part.isdigit():
-            out.append(int(part))
-    return out
-
-
-def _state_from_log(plan: SweepPlan, array_id: str, index: int) -> tuple[str, str]:
-    logs = sorted((plan.sweep_dir / "logs").glob(f"*_{array_id}_{index}.out"))
-    text = logs[-1].read_text(errors="replace") if logs else ""
-    ended = re.findall(r"hpctrain: job step ended with exit code (\d+)", text)
-    if not ended:
-        return "unknown", "Slurm no longer knows the task and its log has no end"
-    if ended[-1] == "0":
-        return "done", ""
-    errors = [line for line in text.splitlines() if _is_error(line)]
-    return "failed", errors[-1].strip() if errors else f"exit code {ended[-1]}"
-
-
-def point_error(plan: SweepPlan, name: str) -> str:
-    """The error line of a failed point (local: its status file; Slurm: its task log)."""
-    state, detail = _local_state(plan, name)
-    if state == "failed":
-        return detail
-    index = next(p.index for p in plan.points if p.name == name)
-    jobs = job.recorded_jobs(plan.sweep_dir)
-    return _state_from_log(plan, jobs[-1], index)[1] if jobs else ""
+def _pass_through(stream, last_error: list[str]) -> None:
+    for line in stream:
+        sys.stderr.write(line)
+        if is_error(line):
+            last_error[0] = line.strip()

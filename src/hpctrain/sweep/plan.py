@@ -72,25 +72,49 @@ def resolve_point(plan: SweepPlan, point: Point) -> RunConfig:
 
 def write_plan(plan: SweepPlan, configs: dict[str, RunConfig]) -> None:
     """sweep.toml and configs/; a sweep dir that holds another sweep is refused (nothing is overwritten)."""
+    check_same_sweep(plan, configs)
+    (plan.sweep_dir / "configs").mkdir(parents=True, exist_ok=True)
+    for point in plan.points:
+        if not plan.config_path(point).exists():
+            atomic_write_text(plan.config_path(point), config_to_toml(configs[point.name]))
     path = plan.sweep_dir / SWEEP_FILE
-    text = tomli_w.dumps(_to_dict(plan))
-    if path.exists() and path.read_text() != text:
-        raise UserError(f"{plan.sweep_dir} already holds another sweep ({SWEEP_FILE} differs: other axes, values or "
-                        "settings)", "choose another --dir, or repeat the same command to go on with that sweep.")
-    texts = {p.name: config_to_toml(configs[p.name]) for p in plan.points}
+    if not path.exists():
+        atomic_write_text(path, tomli_w.dumps(_to_dict(plan)))
+
+
+def check_same_sweep(plan: SweepPlan, configs: dict[str, RunConfig]) -> None:
+    """Going on with the sweep in plan.sweep_dir is only going on with the same grid and settings, finished or not
+    (a finished dir given another grid would otherwise report its old points done and never run the new ones)."""
+    path = plan.sweep_dir / SWEEP_FILE
+    if path.exists():
+        differs = what_differs(read_plan(plan.sweep_dir), plan)
+        if differs:
+            raise UserError(f"{plan.sweep_dir} already holds another sweep ({SWEEP_FILE} differs: {differs})",
+                            f"a sweep dir keeps its grid and settings (its points were trained with them): submit "
+                            f"this grid as a new sweep with another --dir (e.g. --dir {plan.sweep_dir}-2), or repeat "
+                            f"that sweep's own command to go on with it.")
     changed = [p.name for p in plan.points if plan.config_path(p).exists() and plan.config_path(p).read_text() !=
-               texts[p.name]]
+               config_to_toml(configs[p.name])]
     if changed:  # the same command, but what it resolves to moved (an edited --config file): not the same sweep
         raise UserError(f"{plan.sweep_dir}: the resolved config of {len(changed)} point(s) changed since the sweep was "
                         f"written (e.g. {changed[0]}: configs/{changed[0]}.toml differs; an edited --config file?)",
                         "a sweep's points keep their configs (their checkpoints were trained with them): submit the "
                         "changed settings as a new sweep with another --dir.")
-    (plan.sweep_dir / "configs").mkdir(parents=True, exist_ok=True)
-    for point in plan.points:
-        if not plan.config_path(point).exists():
-            atomic_write_text(plan.config_path(point), texts[point.name])
-    if not path.exists():
-        atomic_write_text(path, text)
+
+
+def what_differs(old: SweepPlan, new: SweepPlan) -> str:
+    """What the sweep on disk (old) and the one asked for (new) disagree on, each as 'before, now ...'; '' when
+    they are the same sweep."""
+    def axes(p: SweepPlan) -> str:
+        return " ".join(f"--grid {a.key}={','.join(a.values)}" for a in p.axes)
+
+    def settings(p: SweepPlan) -> str:
+        return " ".join(p.overrides) or "none"
+
+    parts = [(name, get(old), get(new)) for name, get in (
+        ("experiment", lambda p: p.experiment), ("config file", lambda p: p.config_file or "none"),
+        ("axes", axes), ("shared settings", settings))]
+    return "; ".join(f"{name} {was}, now {now}" for name, was, now in parts if was != now)
 
 
 def _to_dict(plan: SweepPlan) -> dict:

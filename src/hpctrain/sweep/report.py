@@ -12,7 +12,7 @@ from pathlib import Path
 
 from hpctrain.metrics.records import metric_values, read_metrics
 from hpctrain.monitor.report import summary_html
-from hpctrain.sweep.commands import PointStatus, collect_status, point_error
+from hpctrain.sweep.status import PointStatus, collect_status, point_error
 from hpctrain.sweep.plan import SweepPlan, read_plan
 
 

@@ -1,0 +1,211 @@
+"""`hpctrain sweep status`: every point's state, step and latest validation metric.
+
+A point's state comes from the last array job that ran it (a sweep submitted again runs only its unfinished points
+in a new array: the points an earlier array finished keep that array's state), else from its local status file
+(`--local`); steps and metrics come from the run dirs."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpctrain.errors import UserError
+from hpctrain.metrics.records import metric_values, read_metrics
+from hpctrain.slurm import job
+from hpctrain.sweep.plan import SweepPlan, read_plan
+
+STATUS_DIR = "status"
+"""SWEEP_DIR/status/NAME.json: how a local run of a point ended (state, exit code, its error line)."""
+
+
+@dataclass(frozen=True)
+class PointStatus:
+    name: str
+    state: str
+    """pending, running, done, failed, cancelled, not started, requeued (running again after a requeue), stopped,
+    not run, or unknown. Every state but done is unfinished: the same submit command runs the point again."""
+    step: int | None
+    metric: tuple[str, float] | None
+    """The latest validation value of the experiment's main metric."""
+    detail: str = ""
+
+
+def status_command(sweep_dir: str) -> int:
+    plan = read_plan(Path(sweep_dir))
+    print(status_text(plan, collect_status(plan)))
+    return 0
+
+
+def collect_status(plan: SweepPlan) -> list[PointStatus]:
+    from hpctrain.experiments import resolve_experiment
+
+    main = resolve_experiment(plan.experiment).main_metric
+    slurm_states = _array_states(plan)
+    out = []
+    for p in plan.points:
+        records = _records(plan.run_dir(p))
+        train = [r for r in records if r["split"] == "train"]
+        val = [r for r in records if r["split"] == "val" and main in metric_values(r)]
+        state, detail = slurm_states.get(p.index) or _local_state(plan, p.name)
+        out.append(PointStatus(p.name, state, train[-1]["step"] if train else None,
+                               (main, metric_values(val[-1])[main]) if val else None, detail))
+    return out
+
+
+def status_text(plan: SweepPlan, points: list[PointStatus]) -> str:
+    lines = [f"sweep {plan.sweep_dir}: {plan.experiment}, {len(points)} point(s)",
+             "| point | state | step | latest validation | |", "|---|---|---:|---|---|"]
+    for s in points:
+        metric = f"{s.metric[0]} {s.metric[1]:.4g}" if s.metric else "-"
+        lines.append(f"| {s.name} | {s.state} | {'-' if s.step is None else s.step} | {metric} | {s.detail} |")
+    counts: dict[str, int] = {}
+    for s in points:
+        counts[s.state] = counts.get(s.state, 0) + 1
+    return "\n".join(lines + [", ".join(f"{n} {k}" for k, n in counts.items())])
+
+
+def point_error(plan: SweepPlan, name: str) -> str:
+    """The error line of a failed point (Slurm: the task log of the array that last ran it; local: its status
+    file)."""
+    index = next(p.index for p in plan.points if p.name == name)
+    array_id = array_owners(plan).get(index)
+    if array_id is not None:
+        return _state_from_log(plan, array_id, index)[1]
+    state, detail = _local_state(plan, name)
+    return detail if state == "failed" else ""
+
+
+def _records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return read_metrics(path) if path.exists() else []
+
+
+def _local_state(plan: SweepPlan, name: str) -> tuple[str, str]:
+    path = plan.sweep_dir / STATUS_DIR / f"{name}.json"
+    if path.exists():
+        record = json.loads(path.read_text())
+        return record["state"], record.get("error", "")
+    return ("not run", "") if not (plan.sweep_dir / name).exists() else ("stopped", "")
+
+
+# ---- Slurm's view ------------------------------------------------------------------------------------------------
+
+SLURM_STATES = {"PENDING": "pending", "CONFIGURING": "running", "RUNNING": "running", "COMPLETING": "running",
+                "COMPLETED": "done", "FAILED": "failed", "CANCELLED": "cancelled", "TIMEOUT": "failed",
+                "OUT_OF_MEMORY": "failed", "NODE_FAIL": "failed", "PREEMPTED": "requeued", "REQUEUED": "requeued",
+                "REQUEUE_HOLD": "requeued", "REQUEUE_FED": "requeued"}
+
+ARRAY_LINE = re.compile(r"^#SBATCH --array=(\S+)", re.MULTILINE)
+
+
+def array_owners(plan: SweepPlan) -> dict[int, str]:
+    """Array index -> the last recorded array job that ran it. Each array's points are read from its recorded
+    script's `#SBATCH --array=` line (a sweep submitted again runs only its unfinished points); a script that is
+    gone counts as every point."""
+    owners: dict[int, str] = {}
+    for array_id in job.recorded_jobs(plan.sweep_dir):
+        script = plan.sweep_dir / "slurm" / f"job_{array_id}.sh"
+        found = ARRAY_LINE.search(script.read_text()) if script.is_file() else None
+        for index in _indices(found.group(1)) if found else [p.index for p in plan.points]:
+            owners[index] = array_id
+    return owners
+
+
+def _array_states(plan: SweepPlan) -> dict[int, tuple[str, str]]:
+    """Array index -> (state, detail) from the array that last ran each point; {} for a local sweep."""
+    by_array: dict[str, list[int]] = {}
+    for index, array_id in array_owners(plan).items():
+        by_array.setdefault(array_id, []).append(index)
+    states: dict[int, tuple[str, str]] = {}
+    for array_id, indices in by_array.items():
+        known = _one_array(plan, array_id, indices)
+        states.update({i: known.get(i) or _state_from_log(plan, array_id, i) for i in indices})
+    return states
+
+
+def _one_array(plan: SweepPlan, array_id: str, indices: list[int]) -> dict[int, tuple[str, str]]:
+    """One scontrol call for every task Slurm still knows (pending ranges, requeue counts, exit codes), one sacct
+    call where it has forgotten some (where accounting is set up); {} where this machine has no Slurm commands (a
+    copy of the sweep dir: the caller reads the task logs)."""
+    states: dict[int, tuple[str, str]] = {}
+    try:
+        proc = job.run_slurm(["scontrol", "show", "job", "--oneliner", array_id])
+        for line in (proc.stdout.splitlines() if proc.returncode == 0 else []):
+            fields = job.parse_scontrol_fields(line)
+            for index in _indices(fields.get("ArrayTaskId", "")):
+                states[index] = _slurm_state(fields.get("JobState", ""), fields.get("Restarts", "0"),
+                                             fields.get("ExitCode", "0:0"), fields.get("Reason", ""),
+                                             _ran(plan, array_id, index, fields.get("RunTime", "")))
+        if all(i in states for i in indices):
+            return states
+        proc = job.run_slurm(["sacct", "--noheader", "--parsable2", "-X", "--format=JobID,State,ExitCode,Elapsed",
+                              "-j", array_id])
+        for line in (proc.stdout.splitlines() if proc.returncode == 0 else []):
+            task, state, exit_code, elapsed = (line.split("|") + ["", "", "", ""])[:4]
+            for index in _indices(task.split("_", 1)[1]) if "_" in task else []:
+                states.setdefault(index, _slurm_state(state.split()[0] if state else "", "0", exit_code, "",
+                                                      _ran(plan, array_id, index, elapsed)))
+    except UserError:
+        pass
+    return states
+
+
+def _ran(plan: SweepPlan, array_id: str, index: int, run_time: str) -> bool:
+    """Whether the task started: Slurm counted run time, or it wrote its log (a task cancelled while pending has
+    neither)."""
+    return bool(run_time.strip("0:-")) or bool(_task_logs(plan, array_id, index))
+
+
+def _slurm_state(state: str, restarts: str, exit_code: str, reason: str, ran: bool = True) -> tuple[str, str]:
+    name = SLURM_STATES.get(state, state.lower() or "unknown")
+    requeues = int(restarts or 0) if (restarts or "0").isdigit() else 0
+    if requeues and name in ("pending", "running"):
+        name = "requeued"
+    detail = [f"requeued {requeues} time(s)" if requeues else "",
+              f"exit code {exit_code}" if name == "failed" else "",
+              "not started" if name == "cancelled" and not ran else "",
+              reason if name in ("pending", "requeued") and reason not in ("", "None") else ""]
+    return name, ", ".join(d for d in detail if d)
+
+
+def _indices(tasks: str) -> list[int]:
+    """Array indices of '3', '[2-5%2]', '0,4-6' ([] for anything else)."""
+    tasks = tasks.strip("[]").split("%")[0]
+    out: list[int] = []
+    for part in tasks.split(","):
+        lo, dash, hi = part.partition("-")
+        if dash and lo.isdigit() and hi.isdigit():
+            out += range(int(lo), int(hi) + 1)
+        elif part.isdigit():
+            out.append(int(part))
+    return out
+
+
+def _task_logs(plan: SweepPlan, array_id: str, index: int) -> list[Path]:
+    return sorted((plan.sweep_dir / "logs").glob(f"*_{array_id}_{index}.out"))
+
+
+def _state_from_log(plan: SweepPlan, array_id: str, index: int) -> tuple[str, str]:
+    logs = _task_logs(plan, array_id, index)
+    if not logs:  # Slurm opens the log when the task starts
+        return "not started", f"Slurm no longer knows task {array_id}_{index} and it wrote no log"
+    text = logs[-1].read_text(errors="replace")
+    ended = re.findall(r"hpctrain: job step ended with exit code (\d+)", text)
+    if not ended:
+        return "unknown", "Slurm no longer knows the task and its log has no end"
+    if ended[-1] == "0":
+        return "done", ""
+    errors = [line for line in text.splitlines() if is_error(line)]
+    return "failed", errors[-1].strip() if errors else f"exit code {ended[-1]}"
+
+
+ERROR_LINE = re.compile(r"^(hpctrain: error\b|hpctrain: worker rank .* failed|[A-Za-z_.]*(Error|Exception): |"
+                        r"error: )")
+"""A line that says what went wrong: hpctrain's own error line, the launcher's failed-rank line, a Python exception.
+Not the job script's own lines ('hpctrain: job step ended with exit code N', 'hpctrain: launching: ...')."""
+
+
+def is_error(line: str) -> bool:
+    return bool(ERROR_LINE.match(line.strip()))
