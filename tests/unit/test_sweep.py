@@ -92,6 +92,10 @@ def test_the_sweep_dir_holds_one_sweep(tmp_path):
     other, other_configs = build_plan("digits", None, (), ["optim.lr=0.3"], str(tmp_path / "s"))
     with pytest.raises(UserError, match="already holds another sweep"):
         write_plan(other, other_configs)
+    toml = tmp_path / "s" / "sweep.toml"  # the same axes, its points named otherwise (another hpctrain version)
+    toml.write_text(toml.read_text().replace('"p001_lr=0.2"', '"p001_0.2"'))
+    with pytest.raises(UserError, match="differs: its points' names"):
+        write_plan(plan, configs)
 
 
 # ---- the array -------------------------------------------------------------------------------------------------

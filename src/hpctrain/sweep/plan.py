@@ -114,7 +114,9 @@ def what_differs(old: SweepPlan, new: SweepPlan) -> str:
     parts = [(name, get(old), get(new)) for name, get in (
         ("experiment", lambda p: p.experiment), ("config file", lambda p: p.config_file or "none"),
         ("axes", axes), ("shared settings", settings))]
-    return "; ".join(f"{name} {was}, now {now}" for name, was, now in parts if was != now)
+    named = [p.name for p in old.points] != [p.name for p in new.points]  # the same axes: only another version's names
+    return "; ".join(f"{name} {was}, now {now}" for name, was, now in parts if was != now) or (
+        "its points' names (written by another hpctrain version?)" if named else "")
 
 
 def _to_dict(plan: SweepPlan) -> dict:
