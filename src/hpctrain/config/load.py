@@ -10,6 +10,7 @@ TOML-compatible, with the same error text for the file and the command line.
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import sys
 import typing
 from pathlib import Path
@@ -93,7 +94,8 @@ def _read_toml(path: Path, experiment: str) -> dict[str, _Value]:
     if file_experiment is not None and file_experiment != experiment:
         raise UserError(
             f"config file '{path}' is for experiment '{file_experiment}', not '{experiment}'",
-            f"run 'hpctrain train {file_experiment} --config {path}', or use a config written for '{experiment}'.",
+            f"run {shlex.join(['hpctrain', 'train', str(file_experiment), '--config', str(path)])}, or use a config "
+            f"written for '{experiment}'.",
         )
     values: dict[str, _Value] = {}
     for section, table in data.items():

@@ -32,6 +32,7 @@ import io
 import json
 import os
 import re
+import shlex
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -336,7 +337,7 @@ def index_path(split_dir: Path) -> Path:
             raise UserError(f"no shards in {split_dir} (no index.json and no .tar files)",
                             "create shards with: hpctrain shard SOURCE OUT --format ...")
         raise UserError(f"{split_dir} has {len(tars)} .tar shard(s) but no {INDEX}",
-                        f"index them once (reads only the tar headers): hpctrain shard --index-only {split_dir}")
+                        f"index them once (reads only the tar headers): {reindex_command(split_dir)}")
     if not (split_dir / MANIFEST).exists():
         raise UserError(f"{split_dir} has no {MANIFEST}: the shard set is incomplete (writing was interrupted?)",
                         "re-create it with hpctrain shard.")
@@ -350,10 +351,16 @@ def load_index(split_dir: Path) -> dict[str, Any]:
         index = json.loads(path.read_text())
         shards = index["shards"]
     except (ValueError, KeyError, TypeError) as err:
-        raise UserError(f"{path} is not a valid shard index ({err})", f"re-index: hpctrain shard --index-only {split_dir}") from None
+        raise UserError(f"{path} is not a valid shard index ({err})", f"re-index: {reindex_command(split_dir)}") \
+            from None
     if not shards:
         raise UserError(f"{path} lists no shards", "create shards with hpctrain shard.")
     return index
+
+
+def reindex_command(split_dir: Path) -> str:
+    """The command that writes a split's index, quoted for pasting into a shell."""
+    return shlex.join(["hpctrain", "shard", "--index-only", str(split_dir)])
 
 
 def open_shard_index(split_dir: Path) -> ShardIndex:
@@ -364,4 +371,4 @@ def open_shard_index(split_dir: Path) -> ShardIndex:
         return load_shard_index(split_dir, path)
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise UserError(f"{path} is not a valid shard index ({type(err).__name__}: {err})",
-                        f"re-index: hpctrain shard --index-only {split_dir}") from None
+                        f"re-index: {reindex_command(split_dir)}") from None

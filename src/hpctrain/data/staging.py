@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import socket
 import threading
 import time
@@ -120,7 +121,8 @@ def _parse_manifest(source: Path, data: bytes) -> dict[str, Any]:
         return manifest
     except (ValueError, KeyError, TypeError) as err:
         raise UserError(f"{source / MANIFEST} is not a valid shard manifest ({type(err).__name__}: {err})",
-                        f"re-index the shards: hpctrain shard --index-only {source}") from None
+                        "re-index the shards: " + shlex.join(["hpctrain", "shard", "--index-only", str(source)])) \
+            from None
 
 
 def _complete(target: Path, manifest: dict[str, Any]) -> bool:

@@ -70,7 +70,7 @@ def run_slurm(args: list[str], timeout: float = 60) -> subprocess.CompletedProce
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise UserError(f"'{' '.join(args)}' did not answer in {timeout:.0f} s",
+        raise UserError(f"'{shlex.join(args)}' did not answer in {timeout:.0f} s",
                         "the Slurm controller may be down or overloaded; try again, or ask your admins.") from None
 
 

@@ -8,6 +8,7 @@ says what to do.
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import dataclass
 from typing import Literal
 
@@ -171,7 +172,8 @@ def _run_dir(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
         return [Finding("warning", "run.dir",
                         f"{path} does not exist here, nor does {top}: it may be a filesystem mounted on the compute "
                         "nodes only (then all is well), or a typo (then the job fails at its start)",
-                        f"check the path on a compute node (srun ls -d {top}); hpctrain creates the run dir itself "
+                        f"check the path on a compute node ({shlex.join(['srun', 'ls', '-d', top])}); hpctrain creates the "
+                        "run dir itself "
                         "when its parent exists")]
     if facts.run_dir_parent and not local_dir and facts.run_dir_fs in NODE_LOCAL_FS and cfg.slurm.nodes > 1:
         return [Finding("warning", "run.dir",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 import subprocess
 import sys
 import threading
@@ -53,8 +54,8 @@ def submit_command(req: SubmitRequest) -> int:
         return run_locally(plan, req.nproc_per_node)
     todo = _unfinished(plan) if going_on else ()
     if todo == ("none",):
-        print(f"hpctrain: every point of {plan.sweep_dir} is done; nothing to submit (hpctrain report "
-              f"{plan.sweep_dir})", file=sys.stderr)
+        print(f"hpctrain: every point of {plan.sweep_dir} is done; nothing to submit "
+              f"({shlex.join(['hpctrain', 'report', str(plan.sweep_dir)])})", file=sys.stderr)
         return 0
     # A point that trains here (--local, a plain `hpctrain train`) or in another job would get a second writer.
     job.refuse_held_run_dirs([Path(configs[p.name].run_dir) for p in plan.points])
@@ -72,7 +73,8 @@ def submit_command(req: SubmitRequest) -> int:
     print(job_id)
     print(f"hpctrain: submitted job array {job_id} ({len(plan.points)} points"
           + (f", at most {req.max_parallel} at once" if req.max_parallel else "") + f"); sweep dir {plan.sweep_dir}\n"
-          f"  hpctrain sweep status {plan.sweep_dir}\n  hpctrain report {plan.sweep_dir}", file=sys.stderr)
+          f"  {shlex.join(['hpctrain', 'sweep', 'status', str(plan.sweep_dir)])}\n"
+          f"  {shlex.join(['hpctrain', 'report', str(plan.sweep_dir)])}", file=sys.stderr)
     return 0
 
 
@@ -103,7 +105,8 @@ def _refuse_live_array(plan: SweepPlan, force: bool = False) -> None:
                         "then pass --force to run the points here.") from None
     if proc.returncode == 0 and proc.stdout.strip():
         raise UserError(f"the sweep in {plan.sweep_dir} still has array job {jobs[-1]} queued or running",
-                        f"wait for it (hpctrain sweep status {plan.sweep_dir}), or cancel it first "
+                        f"wait for it ({shlex.join(['hpctrain', 'sweep', 'status', str(plan.sweep_dir)])}), or "
+                        "cancel it first "
                         f"(hpctrain slurm cancel {jobs[-1]}); then the same command goes on with the unfinished "
                         "points.")
 
@@ -164,7 +167,7 @@ def run_locally(plan: SweepPlan, nproc_per_node: int) -> int:
             return 130
         failed += code != 0
     print(f"hpctrain: sweep done: {len(plan.points) - failed} point(s) finished, {failed} failed; "
-          f"hpctrain report {plan.sweep_dir}", file=sys.stderr)
+          f"{shlex.join(['hpctrain', 'report', str(plan.sweep_dir)])}", file=sys.stderr)
     return 1 if failed else 0
 
 

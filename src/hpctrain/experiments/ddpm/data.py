@@ -3,6 +3,7 @@ set is 150 MB) to hold in memory, and on the GPU with data.on_device."""
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +48,8 @@ def _shards(root: Path, split: str, data: DataSection) -> Dataset:
     split_dir = root / split
     if not split_dir.exists():
         raise UserError(f"no shards at {split_dir}",
-                        f"write them with: hpctrain shard CIFAR10_DIR {root} --format cifar10 (or set model.data_root).")
+                        f"write them with: hpctrain shard CIFAR10_DIR {shlex.quote(str(root))} --format cifar10 (or set "
+                        "model.data_root).")
     shards = shard_dataset(split_dir, ["png", "cls"], data, num_classes=10)
     if not data.on_device:
         return shards

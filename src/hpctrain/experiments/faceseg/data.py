@@ -15,6 +15,7 @@ labels in the loader.
 from __future__ import annotations
 
 import functools
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -135,7 +136,8 @@ def _shards(root: Path, o: Any, data_cfg: Any) -> Datasets:
     def split(name: str) -> ShardDataset:
         if not (root / name).is_dir():
             raise UserError(f"no {name} shards at {root / name}",
-                            f"write them with: hpctrain shard CELEBAMASK_DIR {root} --format celebamask --resize "
+                            "write them with: hpctrain shard CELEBAMASK_DIR "
+                            f"{shlex.quote(str(root))} --format celebamask --resize "
                             f"{o.image_size} (or set model.data_root).")
         return shard_dataset(root / name, ["jpg", "png"], data_cfg, decode=not o.gpu_decode)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shlex
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
@@ -282,7 +283,8 @@ class FaceSegGenerated(FaceSegExperiment):
         root = Path(self.options.data_root)
         if self.options.source == "celebamask" and not root.exists():
             raise UserError(f"no generated faces at {root}",
-                            f"generate them: hpctrain synth faces {root} --count 3000 (about 45 s), or set "
+                            "generate them: " + shlex.join(["hpctrain", "synth", "faces", str(root), "--count", "3000"])
+                            + " (about 45 s), or set "
                             "model.data_root.")
         return super().build_datasets()
 
