@@ -301,7 +301,8 @@ def _add_slurm_parser(sub) -> None:
                            help="instead of cancelling, send SIG (e.g. USR2: checkpoint and requeue) to the job")
         if name == "logs":
             p.add_argument("-n", "--lines", type=int, default=40, help="lines from the end (default 40)")
-            p.add_argument("-f", "--follow", action="store_true", help="keep printing as the log grows")
+            p.add_argument("-f", "--follow", action="store_true",
+                           help="keep printing as the log grows, until the job ends")
         p.set_defaults(func=_slurm, command_name=name)
 
 
