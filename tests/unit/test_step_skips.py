@@ -130,3 +130,11 @@ def test_device_flags_are_read_two_steps_late_and_all_before_a_record_or_checkpo
     ledger.note(ctx, 5, torch.tensor(0.0))
     with pytest.raises(UserError, match=r"2 optimizer steps in a row \(steps 3-4\)"):
         ledger.settle(ctx)
+
+
+def test_a_negative_limit_is_refused_with_what_it_means():
+    from tests.unit.test_step_modes import _cfg
+
+    with pytest.raises(UserError, match=r"train.max_skipped_steps.*must be >= 0 \(0: stop at the first step skipped"):
+        _cfg("train.max_skipped_steps=-1")
+    assert _cfg().train.max_skipped_steps == 20 and _cfg("train.max_skipped_steps=0").train.max_skipped_steps == 0
