@@ -22,6 +22,7 @@ rendezvous). What we change, measured on torch 2.14:
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -35,12 +36,14 @@ from typing import Sequence
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun
+from torch.distributed.run import parse_args as parse_torchrun_args
 
+from hpctrain.config.schema import FaultSection
 from hpctrain.dist.env import agent_environment
-from hpctrain.dist.forked_workers import fork_refusal, forked_workers
-from hpctrain.dist.launcher import torchrun_args
+from hpctrain.dist.forked_workers import LauncherThreads, fork_refusal, forked_workers, quiet_launcher
+from hpctrain.dist.launcher import CleanStopLines, oversubscription, torchrun_args
 from hpctrain.fault.signals import SAME_PRESS_S
-from hpctrain.monitor.sidecars import node_monitors
+from hpctrain.monitor.sidecars import node_monitors, running_monitors
 
 FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
@@ -63,6 +66,13 @@ def child_pids(pid: int | None = None) -> list[int]:
     return children
 
 
+def worker_pids() -> list[int]:
+    """torchrun's workers: this process's children but the node monitors (monitor/sidecars), which stop when the
+    launch ends, not when a stop signal comes."""
+    monitors = running_monitors()
+    return [pid for pid in child_pids() if pid not in monitors]
+
+
 # After a forwarded SIGTERM the workers get this long to save and exit, then SIGKILL: torchrun's own
 # backstop (30 s) is bypassed by forwarding, and a hung worker must not keep the launcher alive forever.
 # Under Slurm, KillWait ends the step earlier anyway.
@@ -70,7 +80,8 @@ TERM_GRACE_S = 120
 
 
 def _kill_children(signum: int = signal.SIGKILL, _frame=None) -> None:
-    for child in child_pids():
+    _Interrupts.killed = True  # the workers' SIGKILL is then ours, not a failure, after a second Ctrl-C
+    for child in worker_pids():
         try:
             os.kill(child, signal.SIGKILL)
         except ProcessLookupError:
@@ -83,7 +94,7 @@ INTERRUPTED = 130
 
 
 def _forward(signum: int, _frame) -> None:
-    for child in child_pids():
+    for child in worker_pids():
         try:
             os.kill(child, signum)
         except ProcessLookupError:
@@ -107,6 +118,8 @@ class _Interrupts:
 
     count = 0
     first_at = 0.0
+    killed = False
+    """The launcher SIGKILLed the workers still there after a grace (second Ctrl-C, or SIGTERM's)."""
 
     @classmethod
     def handle(cls, signum: int, frame) -> None:
@@ -192,10 +205,13 @@ def report(err: ChildFailedError, cfg=None) -> int:
     # before its own KeyboardInterrupt is raised: still the interrupt, not a failure.
     interrupted = {INTERRUPTED, -signal.SIGINT, -signal.SIGKILL, -signal.SIGTERM}
     failures = err.failures.values()
-    if (_Interrupts.count and any(f.exitcode in (INTERRUPTED, -signal.SIGINT) for f in failures)
-            and all(f.exitcode in interrupted or is_consequence(f) for f in failures)):
+    # A worker stuck in C code never runs its handler: the launcher's SIGKILL after the second press ends it.
+    stopped = _Interrupts.killed or any(f.exitcode in (INTERRUPTED, -signal.SIGINT) for f in failures)
+    if _Interrupts.count and stopped and all(f.exitcode in interrupted or is_consequence(f) for f in failures):
         saved = "" if _Interrupts.count > 1 else " at a step boundary with a checkpoint"
-        print(f"hpctrain: interrupted (Ctrl-C): all {len(err.failures)} workers stopped{saved}; the same command "
+        killed = sum(f.exitcode == -signal.SIGKILL for f in failures)
+        late = f" ({killed} killed, still running {INTERRUPT_GRACE_S} s after the second press)" if killed else ""
+        print(f"hpctrain: interrupted (Ctrl-C): all {len(err.failures)} workers stopped{saved}{late}; the same command "
               "resumes from the last checkpoint", file=sys.stderr)
         return INTERRUPTED
     if cfg is not None and codes == {cfg.fault.exit_code}:
@@ -239,9 +255,11 @@ def _last_step(run_dir: Path, rank: int) -> int:
         return -1
 
 
-def main(argv: list[str] | None = None, cfg=None) -> int:
+def main(argv: list[str] | None = None, cfg=None, threads: LauncherThreads | None = None) -> int:
     """torchrun with ``argv``, or with sys.argv's as ``python -m hpctrain.launch``; ``cfg``: the run's config for
-    the failure report and alert (read from sys.argv's hpctrain command when run as a program)."""
+    the failure report and alert (read from sys.argv's hpctrain command when run as a program); ``threads``: the
+    launcher's threads from before it imported user code (None: it has not, and they are taken now)."""
+    threads = threads or quiet_launcher()
     # torchrun copies the failing worker's error file here; without one it logs that it has nowhere to copy.
     error_dir = tempfile.mkdtemp(prefix="hpctrain-torchrun-")
     as_program = argv is None
@@ -254,7 +272,10 @@ def main(argv: list[str] | None = None, cfg=None) -> int:
         # torchrun's default is a new /tmp/torchelastic_* folder per launch that nothing removes; this one goes
         # with error_dir when the launch ends
         argv.insert(0, f"--log-dir={os.path.join(error_dir, 'torchelastic')}")
-    _Interrupts.count, _Interrupts.first_at = 0, 0.0  # a launch's presses are its own
+    _Interrupts.count, _Interrupts.first_at, _Interrupts.killed = 0, 0.0, False  # a launch's presses are its own
+    _warn_oversubscription(argv)
+    quiet = CleanStopLines(frozenset({INTERRUPTED, cfg.fault.exit_code if cfg is not None else DEFAULT_EXIT_CODE}))
+    TORCHRUN_LOG.addFilter(quiet)
     previous = {sig: signal.getsignal(sig) for sig in (*FORWARDED, signal.SIGINT, signal.SIGQUIT, signal.SIGALRM)}
     for sig in FORWARDED:
         signal.signal(sig, _forward)
@@ -262,14 +283,32 @@ def main(argv: list[str] | None = None, cfg=None) -> int:
     try:
         # monitors: if asked for; workers forked from this process where no CUDA device is visible
         with agent_environment(os.path.join(error_dir, "error.json")), node_monitors(), \
-                forked_workers(fork_refusal() is None, _worker_entry, WORKER_IMPORTS):
+                forked_workers(fork_refusal() is None, _worker_entry, WORKER_IMPORTS, threads):
             torchrun(argv)
     except ChildFailedError as err:
         return report(err, cfg if cfg is not None or not as_program else _run_config())
     finally:
         shutil.rmtree(error_dir, ignore_errors=True)
         _restore_handlers(previous)
+        TORCHRUN_LOG.removeFilter(quiet)
     return 0
+
+
+# torchrun's `failed (exitcode: N)` line comes from here; for a clean stop's code hpctrain's own line is the one
+TORCHRUN_LOG = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+DEFAULT_EXIT_CODE = FaultSection().exit_code
+"""The clean-stop code when the launcher runs without the run's config (python -m hpctrain.launch)."""
+
+
+def _warn_oversubscription(argv: Sequence[str]) -> None:
+    """One line when the workers' threads outnumber the cores this launcher (and so its workers) may use."""
+    try:
+        nproc = int(parse_torchrun_args(list(argv)).nproc_per_node)
+    except (ValueError, SystemExit):  # auto, gpu, cpu: torchrun's own counts; bad arguments: torchrun says so
+        return
+    line = oversubscription(nproc, dict(os.environ), len(os.sched_getaffinity(0)))
+    if line:
+        print(line, file=sys.stderr)
 
 
 def _keeps_worker_logs(argv: Sequence[str]) -> bool:
@@ -304,10 +343,12 @@ def _restore_handlers(previous: dict) -> None:
     signal.signal(signal.SIGALRM, previous[signal.SIGALRM])
 
 
-def launch_local(nproc_per_node: int, module_args: Sequence[str], cfg=None) -> int:
+def launch_local(nproc_per_node: int, module_args: Sequence[str], cfg=None,
+                 threads: LauncherThreads | None = None) -> int:
     """`hpctrain train|eval|sample|doctor --nproc-per-node N`: torchrun in this process, which has imported torch
-    already; a child process for it cost one more Python start and torch import per launch (about 2.5 s here)."""
-    return main(torchrun_args(nproc_per_node, module_args), cfg)
+    already; a child process for it cost one more Python start and torch import per launch (about 2.5 s here).
+    ``threads``: quiet_launcher's record, taken before this process imported the experiment's module."""
+    return main(torchrun_args(nproc_per_node, module_args), cfg, threads)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ HPCTRAIN_WORKER_START=exec too (tests/dist/test_launcher.py), so torchrun's own 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -132,3 +133,96 @@ def test_a_signal_to_the_workers_group_the_moment_it_exists_meets_the_workers_ow
         if proc is not None and proc.poll() is None:  # a failed test leaves no paused child holding pytest's output
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=60)
+
+
+def test_a_forked_worker_keeps_none_of_the_launchers_file_descriptors(tmp_path):
+    """As exec would: a worker that outlives a SIGKILLed launcher must not hold its store's listening port."""
+    import socket
+
+    listening = socket.create_server(("127.0.0.1", 0))
+    state, out = tmp_path / "state.json", tmp_path / "out.txt"
+
+    def entry_point():
+        links = {}
+        for fd in os.listdir("/proc/self/fd"):  # listdir's own fd is among them, closed by the time it is read
+            with contextlib.suppress(OSError):
+                links[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
+        Path(state).write_text(json.dumps(links))
+        os._exit(0)
+
+    try:
+        with open(out, "w") as stdout:
+            proc = fw.ForkedProcess.start(["train"], {}, stdout, None, entry_point)
+            assert proc.wait(timeout=60) == 0
+    finally:
+        listening.close()
+    links = {int(fd): link for fd, link in json.loads(state.read_text()).items()}
+    assert {0, 1, 2} <= set(links) and not [fd for fd, link in links.items() if fd > 2 and "socket" in link], links
+    assert len([fd for fd in links if fd > 2]) <= 1, links  # nothing of the launcher's (pytest's pipes and files)
+
+
+def test_a_torch_whose_factory_takes_another_keyword_gets_torchruns_own_workers(monkeypatch, capsys):
+    from torch.distributed.elastic.multiprocessing import api
+
+    original = api.get_subprocess_handler
+
+    def newer(entrypoint, args, env, stdout, stderr, local_rank_id, numa_options=None, cpu_affinity=None):
+        return original(entrypoint=entrypoint, args=args, env=env, stdout=stdout, stderr=stderr,
+                        local_rank_id=local_rank_id, numa_options=numa_options)
+
+    monkeypatch.setattr(api, "get_subprocess_handler", newer)
+    with fw.forked_workers(True, lambda: None) as active:
+        assert not active and api.get_subprocess_handler is newer
+    assert "its workers start as new Pythons" in capsys.readouterr().err
+
+
+THREADS_SCRIPT = """
+import os, torch
+from hpctrain.dist import forked_workers as fw
+os.environ.pop("OMP_NUM_THREADS", None)
+before = fw.quiet_launcher()
+assert torch.get_num_threads() == 1 and before.intra_op == 2, (torch.get_num_threads(), before)
+(torch.randn(4_000_000) * 2).sum()  # the user's module-level op: one thread, no OpenMP team
+assert fw.thread_refusal(before) is None, fw.thread_refusal(before)
+torch.set_num_threads(2)  # user code raises the count: unsafe whatever ran
+assert "intra-op threads to 2" in fw.thread_refusal(before)
+(torch.randn(4_000_000) * 2).sum()  # OpenMP's team starts
+torch.set_num_threads(1)
+assert "native thread(s) started" in fw.thread_refusal(before), fw.thread_refusal(before)
+print("ok")
+"""
+
+
+def test_the_launcher_starts_no_openmp_team_and_sees_one_that_user_code_started():
+    """In a fresh Python (pytest's own process may have run parallel ops): quiet_launcher keeps the team from
+    starting; thread_refusal sees a raised thread count and threads started since."""
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    result = subprocess.run([sys.executable, "-c", THREADS_SCRIPT], env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_a_forked_worker_without_omp_num_threads_gets_the_launchers_count_from_before_quiet_launcher(tmp_path):
+    state = tmp_path / "threads.json"
+
+    def entry_point():
+        import torch
+
+        Path(state).write_text(json.dumps(torch.get_num_threads()))
+        os._exit(0)
+
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # as quiet_launcher leaves the launcher
+    try:
+        proc = fw.ForkedProcess.start(["train"], {}, None, None, entry_point, intra_op=3)
+        assert proc.wait(timeout=60) == 0
+        assert json.loads(state.read_text()) == 3
+        proc = fw.ForkedProcess.start(["train"], {"OMP_NUM_THREADS": "2"}, None, None, entry_point, intra_op=3)
+        assert proc.wait(timeout=60) == 0
+        assert json.loads(state.read_text()) == 2
+    finally:
+        torch.set_num_threads(previous)

@@ -161,3 +161,83 @@ def test_a_worker_gets_sigterm_when_its_launcher_is_killed(tmp_path):
     finally:
         if launcher.poll() is None:
             launcher.kill()
+
+
+def test_a_forwarded_stop_signal_reaches_the_workers_not_the_node_monitors(tmp_path, monkeypatch):
+    """top exits on SIGUSR2: monitoring would stop exactly when the final checkpoint is written."""
+    import signal
+    import subprocess
+    import time
+
+    from hpctrain import launch
+    from hpctrain.monitor.sidecars import node_monitors
+
+    monkeypatch.setenv("HPCTRAIN_MONITOR_DIR", str(tmp_path))
+    monkeypatch.setenv("HPCTRAIN_MONITOR_EVERY", "1")
+    worker = subprocess.Popen(["sleep", "60"])  # a stand-in for a worker: SIGUSR2's default action ends it
+    try:
+        with node_monitors() as paths:
+            assert paths, "top is not installed here"
+            monitors = [p for p in launch.child_pids() if p != worker.pid]
+            launch._forward(signal.SIGUSR2, None)
+            assert worker.wait(timeout=10) == -signal.SIGUSR2
+            time.sleep(0.5)
+            assert monitors and all(_state(p) not in ("", "Z") for p in monitors)  # still running
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+
+
+def test_after_a_second_ctrl_c_the_launchers_own_kill_is_the_interrupt_not_a_failure(monkeypatch, capsys):
+    """Workers stuck in C code never run their handlers: the launcher SIGKILLs them INTERRUPT_GRACE_S after the
+    second press, and that is the user's interrupt (130, one line), not 'killed by SIGKILL' (137)."""
+    import signal
+    from types import SimpleNamespace
+
+    from hpctrain import launch
+
+    err = SimpleNamespace(failures={r: SimpleNamespace(timestamp=1, exitcode=-signal.SIGKILL, message="", local_rank=r,
+                                                       pid=7 + r) for r in (0, 1)})
+    monkeypatch.setattr(launch._Interrupts, "count", 2)
+    monkeypatch.setattr(launch._Interrupts, "killed", True)
+    assert launch.report(err) == launch.INTERRUPTED
+    assert "all 2 workers stopped (2 killed, still running" in capsys.readouterr().err
+    monkeypatch.setattr(launch._Interrupts, "killed", False)  # killed by someone else: a failure
+    assert launch.report(err) == 137 and "failed first" in capsys.readouterr().err
+
+
+def test_oversubscribed_threads_are_said_with_what_to_set():
+    from hpctrain.dist.launcher import oversubscription
+
+    line = oversubscription(2, {"OMP_NUM_THREADS": "2"}, cores=2)
+    assert line and "2 processes x OMP_NUM_THREADS=2 = 4" in line and "set OMP_NUM_THREADS=1" in line
+    assert oversubscription(2, {"OMP_NUM_THREADS": "1"}, cores=2) is None
+    assert oversubscription(2, {}, cores=2) is None  # torchrun sets 1 per worker where it is unset
+    assert oversubscription(4, {"OMP_NUM_THREADS": "8"}, cores=32) is None
+    assert "fewer processes per node" in oversubscription(4, {}, cores=2)
+
+
+def test_torchruns_error_line_is_dropped_for_clean_stop_codes_only():
+    import logging
+
+    from hpctrain.dist.launcher import CleanStopLines
+
+    def line(code):
+        return logging.LogRecord("torch", logging.ERROR, "api.py", 1, "failed (exitcode: %s) local_rank: %s (pid: %s)"
+                                 " of binary: %s", (code, 0, 7, "python"), None)
+
+    quiet = CleanStopLines(frozenset({75, 130}))
+    assert not quiet.filter(line(75)) and not quiet.filter(line(130))
+    assert quiet.filter(line(1)) and quiet.filter(line(-9)) and quiet.filter(line(2))
+    assert quiet.filter(logging.LogRecord("torch", logging.WARNING, "x", 1, "other %s", (75,), None))
+
+
+def _state(pid: int) -> str:
+    """The process state letter (Z: dead, not yet reaped), '' when it is gone."""
+    from pathlib import Path
+
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""

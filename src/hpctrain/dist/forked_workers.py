@@ -12,22 +12,35 @@ Python would have.
 
 Torch's own Popen stays where a fork would be unsafe or is not ours to make: with a CUDA device visible (CUDA's
 state cannot cross a fork, and the launcher may have touched it), a command that is not `python -u -m hpctrain`
-(numactl wrapping, another program), or HPCTRAIN_WORKER_START=exec. torch gives no hook for this: we replace its
-module-level handler factory for the launch (checked to exist with the signature torch 2.11 to 2.14 have, else
-torchrun's own is used and the launcher says so).
+(numactl wrapping, another program), HPCTRAIN_WORKER_START=exec, or native threads the launcher started after
+quiet_launcher (below). torch gives no hook for this: we replace its module-level handler factory for the launch
+(checked to exist with parameters the replacement accepts, else torchrun's own is used and the launcher says so).
+
+OpenMP. torch's CPU build uses GNU OpenMP, which is not fork-safe: a fork inherits the parent's thread team as
+bookkeeping without the threads, and its first parallel op waits for them forever. The launcher imports the user's
+experiment module (to check the config) before it forks, and a module-level op such as ``(torch.randn(N) * 2).sum()``
+starts that team whenever OMP_NUM_THREADS > 1. So the launcher runs on one intra-op thread from before it imports
+user code (quiet_launcher: no team is ever started, the import's own ops run serially), each worker sets its threads
+as a new Python would, and right before the launch the launcher checks that nothing since has started native threads
+or raised its thread count (user code calling torch.set_num_threads, a library's own pool): then every worker starts
+as a new Python and the launcher says why, once. Threads that were there before (numpy's OpenBLAS server, which
+stops itself around a fork) and those torchrun starts during the launch (its store's) are not user code's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 WORKER_START_ENV = "HPCTRAIN_WORKER_START"
@@ -47,20 +60,72 @@ def fork_refusal(environ: dict[str, str] | None = None) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class LauncherThreads:
+    """The launcher's threads from before it ran any user code (quiet_launcher)."""
+
+    native: frozenset[int]
+    """Ids of the threads then that Python's threading does not know (numpy's OpenBLAS server, for one)."""
+    intra_op: int
+    """torch's intra-op threads then: what a worker without OMP_NUM_THREADS gets, as a new Python would."""
+
+
+def quiet_launcher() -> LauncherThreads:
+    """Before the launcher imports user code: torch's intra-op threads set to one, so that parallel work at the
+    import of the user's module starts no OpenMP team for the workers to inherit (module docstring)."""
+    import torch
+
+    before = LauncherThreads(native_threads(), torch.get_num_threads())
+    torch.set_num_threads(1)
+    return before
+
+
+def native_threads() -> frozenset[int]:
+    """Ids of this process's threads that Python's threading module does not know (OpenMP's, OpenBLAS's, libuv's)."""
+    try:
+        tasks = {int(t) for t in os.listdir("/proc/self/task")}
+    except OSError:  # pragma: no cover - no procfs: nothing is known, so nothing is counted as new
+        return frozenset()
+    return frozenset(tasks - {t.native_id for t in threading.enumerate()})
+
+
+def thread_refusal(before: LauncherThreads) -> str | None:
+    """Why a fork of the launcher is unsafe now (user code started threads it would inherit half), or None."""
+    import torch
+
+    if torch.get_num_threads() != 1:
+        return (f"code the launcher ran set torch's intra-op threads to {torch.get_num_threads()} "
+                "(torch.set_num_threads at the import of the experiment's module?)")
+    started = native_threads() - before.native
+    if started:
+        return (f"{len(started)} native thread(s) started in the launcher since it imported the experiment's module "
+                "(an OpenMP team or another library's thread pool)")
+    return None
+
+
 @contextlib.contextmanager
-def forked_workers(enabled: bool, entry: Callable[[], Any], preimport: Sequence[str] = ()) -> Iterator[bool]:
+def forked_workers(enabled: bool, entry: Callable[[], Any], preimport: Sequence[str] = (),
+                   threads: LauncherThreads | None = None) -> Iterator[bool]:
     """Within: torchrun's local workers (``python -u -m hpctrain ...``) are forks of this process that call
     ``entry`` (what ``python -m hpctrain`` runs; it reads sys.argv and ends the process) after importing the modules
-    ``preimport`` names here, once for all of them. Yields whether the fork path is in place."""
+    ``preimport`` names here, once for all of them; ``threads``: quiet_launcher's record, checked after those imports
+    (None: not checked). Yields whether the fork path is in place."""
     api = _torch_api() if enabled else None
     if api is None:
         if enabled:
-            print("hpctrain: this torch's torchrun has no subprocess handler factory hpctrain knows how to replace; "
-                  "its workers start as new Pythons", file=sys.stderr)
+            print("hpctrain: this torch's torchrun has no subprocess handler factory with the parameters hpctrain's "
+                  "replacement accepts; its workers start as new Pythons", file=sys.stderr)
         yield False
         return
     for name in preimport:
         importlib.import_module(name)
+    refusal = thread_refusal(threads) if threads is not None else None
+    if refusal:
+        print(f"hpctrain: the workers start as new Pythons, not as forks of the launcher: {refusal}, and a fork "
+              "would inherit them without their threads and hang at its first parallel op", file=sys.stderr)
+        yield False
+        return
+    intra_op = threads.intra_op if threads is not None else 0
     original = api.get_subprocess_handler
 
     def handler(*, entrypoint: str, args: tuple, env: dict[str, str], stdout: Any, stderr: Any,
@@ -69,7 +134,7 @@ def forked_workers(enabled: bool, entry: Callable[[], Any], preimport: Sequence[
                       local_rank_id=local_rank_id, numa_options=numa_options)
         if numa_options is None and hpctrain_module_args(entrypoint, args) is not None:
             try:
-                return _forked_handler_class(entry)(**kwargs)
+                return _forked_handler_class(entry, intra_op)(**kwargs)
             except OSError as err:  # fork refused (strict overcommit, process limit): Popen may still work
                 print(f"hpctrain: could not fork a worker ({err}); starting it as a new Python", file=sys.stderr)
         return original(**kwargs)
@@ -90,19 +155,31 @@ def hpctrain_module_args(entrypoint: str, args: tuple) -> list[str] | None:
     return [str(a) for a in args[3:]]
 
 
+HANDLER_PARAMETERS = ("entrypoint", "args", "env", "stdout", "stderr", "local_rank_id", "numa_options")
+"""The keywords forked_workers' handler accepts: those of get_subprocess_handler in torch 2.11 to 2.14."""
+
+
 def _torch_api():
-    """torch's elastic multiprocessing module when it has the factory this replaces, else None."""
+    """torch's elastic multiprocessing module when it has the factory this replaces, with no parameter the
+    replacement does not accept (a keyword a later torch adds would be a TypeError at every launch), else None."""
     try:
         from torch.distributed.elastic.multiprocessing import api
         from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
     except ImportError:
         return None
-    if not callable(getattr(api, "get_subprocess_handler", None)) or not hasattr(SubprocessHandler, "_popen"):
+    factory = getattr(api, "get_subprocess_handler", None)
+    if not callable(factory) or not hasattr(SubprocessHandler, "_popen"):
+        return None
+    try:
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return None
+    if set(parameters) - set(HANDLER_PARAMETERS) or not set(HANDLER_PARAMETERS[:-1]) <= set(parameters):
         return None
     return api
 
 
-def _forked_handler_class(entry: Callable[[], Any]):
+def _forked_handler_class(entry: Callable[[], Any], intra_op: int = 0):
     from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
     class ForkedHandler(SubprocessHandler):
@@ -112,7 +189,7 @@ def _forked_handler_class(entry: Callable[[], Any]):
             module_args = hpctrain_module_args(args[0], tuple(args[1:]))
             assert module_args is not None  # checked by forked_workers' handler
             return ForkedProcess.start(module_args, env, getattr(self, "_stdout", None), getattr(self, "_stderr", None),
-                                       entry)
+                                       entry, intra_op)
 
     return ForkedHandler
 
@@ -128,7 +205,9 @@ class ForkedProcess:
 
     @classmethod
     def start(cls, module_args: list[str], env: dict[str, str], stdout: Any, stderr: Any,
-              entry: Callable[[], Any]) -> "ForkedProcess":
+              entry: Callable[[], Any], intra_op: int = 0) -> "ForkedProcess":
+        """``intra_op``: torch's intra-op threads for a worker whose environment has no OMP_NUM_THREADS (0: leave
+        them as the launcher has them)."""
         _flush_everything()  # nothing buffered here may be written twice
         # Signals stay blocked from before the fork until the child has its own session and default handlers: a
         # signal the launcher forwards (it finds the new pid in /proc at once) must not run the launcher's handlers
@@ -143,7 +222,7 @@ class ForkedProcess:
                 warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: "multi-threaded, use of fork()"
                 pid = os.fork()
                 if pid == 0:
-                    _child(module_args, env, stdout, stderr, entry, ready_r, ready_w, filters)  # never returns
+                    _child(module_args, env, (stdout, stderr), entry, ready_r, ready_w, filters, intra_op)  # no return
             os.close(ready_w)
             ready_w = -1
             # restoring the mask runs a pending handler, which may raise (torchrun's SIGQUIT): handled below
@@ -197,18 +276,18 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
-def _child(module_args: list[str], env: dict[str, str], stdout: Any, stderr: Any, entry: Callable[[], Any],
-           ready_r: int, ready_w: int, filters: list) -> None:
+def _child(module_args: list[str], env: dict[str, str], output: tuple[Any, Any], entry: Callable[[], Any],
+           ready_r: int, ready_w: int, filters: list, intra_op: int) -> None:
     """The forked child's first steps; whatever happens, it ends in _become_worker's os._exit."""
     try:
         os.close(ready_r)
         warnings.filters[:] = filters
     finally:
-        _become_worker(module_args, env, stdout, stderr, entry, ready_w)
+        _become_worker(module_args, env, output, entry, ready_w, intra_op)
 
 
-def _become_worker(module_args: list[str], env: dict[str, str], stdout: Any, stderr: Any,
-                   entry: Callable[[], Any], ready: int) -> None:
+def _become_worker(module_args: list[str], env: dict[str, str], output: tuple[Any, Any],
+                   entry: Callable[[], Any], ready: int, intra_op: int) -> None:
     """In the forked child (every signal blocked): the state a new `python -u -m hpctrain MODULE_ARGS` would start
     its main() with, then main() and hpctrain's own exit. Never returns into the launcher's code, whatever happens."""
     code = 1
@@ -217,16 +296,17 @@ def _become_worker(module_args: list[str], env: dict[str, str], stdout: Any, std
         _default_signals()
         os.close(ready)  # the launcher's start() returns: our group exists, its handlers are gone
         signal.pthread_sigmask(signal.SIG_SETMASK, [])  # a signal sent meanwhile is delivered now, to us
-        for stream, fd in ((stdout, 1), (stderr, 2)):
+        for stream, fd in zip(output, (1, 2)):
             if stream is not None:
                 os.dup2(stream.fileno(), fd)
+        _close_launcher_fds()
         os.environ.clear()
         os.environ.update(env)
         _forget_launcher_state()
         import hpctrain
 
         sys.argv = [os.path.join(os.path.dirname(hpctrain.__file__), "__main__.py"), *module_args]
-        _threads_from_environment()
+        _threads_from_environment(intra_op)
         for stream in (sys.stdout, sys.stderr):  # python -u
             with contextlib.suppress(Exception):
                 stream.reconfigure(write_through=True)
@@ -292,16 +372,47 @@ def _forget_launcher_state() -> None:
     multiprocessing.process._children.clear()  # type: ignore[attr-defined]
     multiprocessing.util._finalizer_registry.clear()  # type: ignore[attr-defined]
     multiprocessing.util._run_after_forkers()  # type: ignore[attr-defined]
+    _forget_helper_processes()
     from hpctrain import logs
 
     logs.forget_recent_lines()
 
 
-def _threads_from_environment() -> None:
+def _forget_helper_processes() -> None:
+    """The launcher's resource tracker and forkserver, if it started them: their fds are closed here
+    (_close_launcher_fds), and a write to one of those numbers could reach a file the worker opened since. The
+    worker starts its own, as a new Python would."""
+    from multiprocessing import forkserver, resource_tracker
+
+    tracker = resource_tracker._resource_tracker  # type: ignore[attr-defined]
+    tracker._fd, tracker._pid = None, None
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
+
+
+def _threads_from_environment(intra_op: int) -> None:
     """torch's intra-op threads as OMP_NUM_THREADS says (torchrun sets 1 for several workers): OpenMP read the
-    variable when the launcher loaded it, before torchrun set it."""
+    variable when the launcher loaded it, before torchrun set it. Without it, ``intra_op`` (the launcher's count
+    before quiet_launcher set one; 0: keep the launcher's)."""
     value = os.environ.get("OMP_NUM_THREADS", "")
-    if value.isdigit() and int(value) > 0:
+    threads = int(value) if value.isdigit() and int(value) > 0 else intra_op
+    if threads:
         import torch
 
-        torch.set_num_threads(int(value))
+        torch.set_num_threads(threads)
+
+
+def _close_launcher_fds() -> None:
+    """What exec would do (Python opens its fds close-on-exec): the worker keeps 0, 1 and 2, nothing of the
+    launcher's: its store's listening sockets and connections, libuv's epoll and io_uring instances, the monitors'
+    pipes. A worker that outlives a SIGKILLed launcher must not hold the rendezvous ports open. The launcher's
+    objects that own those fds are never finalised here (gc.freeze before the fork; the worker never returns into
+    the frames that hold them), so no close of a number the worker reuses comes later."""
+    os.closerange(3, _max_fd())
+
+
+def _max_fd() -> int:
+    try:
+        return max(int(fd) for fd in os.listdir("/proc/self/fd")) + 1
+    except (OSError, ValueError):  # no procfs
+        return os.sysconf("SC_OPEN_MAX")

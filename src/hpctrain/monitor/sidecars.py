@@ -38,6 +38,16 @@ def monitor_commands(every_s: int, gpus: bool, user: str) -> dict[str, list[str]
     return commands
 
 
+_running: set[int] = set()
+"""pids of the monitors node_monitors runs in this process now (running_monitors)."""
+
+
+def running_monitors() -> frozenset[int]:
+    """The monitor processes this launcher runs now: the launcher's children that are not workers, and must not
+    get the stop signals it forwards (top exits on SIGUSR2: monitoring would stop when the final save starts)."""
+    return frozenset(_running)
+
+
 TOP_PROCESS_LINES = 15  # per snapshot: top lists every process, which fills gigabytes in a long job
 
 
@@ -88,6 +98,7 @@ def node_monitors() -> Iterator[list[Path]]:
         thread = threading.Thread(target=_copy, args=(proc, out, limit), name=f"monitor-{name}", daemon=True)
         thread.start()
         procs.append(proc)
+        _running.add(proc.pid)
         threads.append(thread)
         paths.append(path)
     try:
@@ -102,6 +113,7 @@ def node_monitors() -> Iterator[list[Path]]:
                 proc.kill()
         for thread in threads:
             thread.join(timeout=5)
+        _running.difference_update(proc.pid for proc in procs)
 
 
 def _user() -> str:

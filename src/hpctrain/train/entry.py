@@ -11,6 +11,7 @@ from hpctrain.checkpoint.manager import select_checkpoint
 from hpctrain.config import config_to_toml, load_config, plan_batches
 from hpctrain.config.schema import RunConfig
 from hpctrain.dist.env import LaunchInfo, detect_launch
+from hpctrain.dist.forked_workers import quiet_launcher
 from hpctrain.dist.runtime import distributed_session
 from hpctrain.experiments import Experiment, resolve_experiment
 from hpctrain.fault.alerts import resolve_webhook
@@ -103,16 +104,21 @@ def resolve_request(req: TrainRequest) -> tuple[type[Experiment], RunConfig]:
 
 
 def train_command(req: TrainRequest) -> int:
-    cls, cfg = resolve_request(req)
     launch = detect_launch()
-    if launch.launcher == "single" and req.nproc_per_node > 1:
+    local = launch.launcher == "single" and req.nproc_per_node > 1
+    # Before the experiment's module is imported: its module-level tensor ops must not start an OpenMP team that
+    # the forked workers would inherit without its threads (dist/forked_workers).
+    threads = quiet_launcher() if local else None
+    cls, cfg = resolve_request(req)
+    if local:
         setup_logging(debug=req.debug)
         preflight(cfg, req.nproc_per_node, req.command)
         log.info("starting %d processes with torchrun", req.nproc_per_node)
         from hpctrain.launch import launch_local
 
         # The config makes the failure alert and the "resume me" exit; sample is not the run's training.
-        return launch_local(req.nproc_per_node, req.module_args(), cfg if req.command in ("train", "eval") else None)
+        return launch_local(req.nproc_per_node, req.module_args(), cfg if req.command in ("train", "eval") else None,
+                            threads)
     return _train_here(cls, cfg, launch, req)
 
 
