@@ -64,9 +64,11 @@ def kill_leftovers(pids: list[int]) -> None:
 
 # exec: torchrun's own Popen starts the workers (as on GPU machines); auto on this CPU machine forks them from the
 # launcher (dist/forked_workers), as every other launch of this suite does.
-@pytest.mark.parametrize("sig, worker_start", [(signal.SIGTERM, "exec"), (signal.SIGUSR2, "auto")])
+@pytest.mark.parametrize("sig, worker_start", [(signal.SIGTERM, "exec"), (signal.SIGUSR2, "auto"),
+                                               (signal.SIGHUP, "auto")])
 def test_signal_to_the_launcher_reaches_the_workers(tmp_path: Path, sig, worker_start):
-    """launcher -> torchrun wrapper -> workers. Plain torchrun would die of SIGUSR2 and orphan its workers."""
+    """launcher -> torchrun wrapper -> workers. Plain torchrun would die of SIGUSR2 and orphan its workers. SIGHUP
+    (a dropped SSH session) is a stop with a checkpoint too, as every signal the launcher forwards."""
     run_dir = tmp_path / "run"
     proc = start_long_run(run_dir, env={"HPCTRAIN_WORKER_START": worker_start})
     try:
@@ -81,6 +83,7 @@ def test_signal_to_the_launcher_reaches_the_workers(tmp_path: Path, sig, worker_
         output = proc.stdout.read()
         assert code == 75, output  # stopped after a checkpoint: resume me
         assert f"stopped by {sig.name}" in output and "all 2 workers stopped after a checkpoint" in output
+        assert "failed (exitcode: 75)" not in output  # torchrun's error-level line for a clean stop
         assert len(list((run_dir / "checkpoints").glob("step_*"))) == 1
         left = wait_gone(run_dir, 30)
         assert not left, f"workers survived the launcher: {left}"

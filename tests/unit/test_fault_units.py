@@ -24,16 +24,20 @@ SINGLE = single_process_runtime(torch.device("cpu"))
 
 
 def test_signal_handler_only_records():
+    # Every signal the launcher forwards is a stop, whatever fault.warning_signal is (SIGHUP: a dropped SSH session)
+    for warning in ("none", "SIGUSR2", "SIGUSR1", "SIGHUP"):
+        assert set(stop_signal_names(warning)) == {"SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2"}, warning
     signals = StopSignals().install(stop_signal_names("SIGUSR2"))
     try:
         os.kill(os.getpid(), signal.SIGUSR2)
         assert signals.received == signal.SIGUSR2
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert signals.received == signal.SIGHUP
         os.kill(os.getpid(), signal.SIGTERM)
         assert signals.received == signal.SIGTERM
     finally:
         signals.uninstall()
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
-    assert stop_signal_names("none") == ["SIGTERM", "SIGINT"]
 
 
 def test_vote_is_collected_one_boundary_later():

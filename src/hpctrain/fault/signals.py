@@ -62,10 +62,20 @@ class StopSignals:
         self._previous.clear()
 
 
+FORWARDED_STOPS = ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
+"""Every signal hpctrain's launcher forwards to its workers (launch.FORWARDED) means a stop at a step boundary with
+a checkpoint and exit code fault.exit_code (75: resume me), in a worker, a single process and an srun task alike:
+SIGTERM (Slurm's time limit, preemption), SIGUSR1/SIGUSR2 (whichever a site's --signal or scancel --signal uses),
+SIGHUP (a dropped SSH session or terminal). One code for all of them, because the run is unfinished with a
+checkpoint in each case, the step vote picks one signal for all ranks when they got different ones, and any of the
+three may be fault.warning_signal. Without a handler each of them would kill the process without a checkpoint."""
+
+
 def stop_signal_names(warning_signal: str) -> list[str]:
-    """SIGTERM always (Slurm's time limit and preemption send it), SIGINT (Ctrl-C: stop with a checkpoint, not lose
-    the work since the last one), plus the configured warning signal."""
-    return ["SIGTERM", "SIGINT"] + ([warning_signal] if warning_signal not in ("none", "SIGTERM", "SIGINT") else [])
+    """The forwarded stops (FORWARDED_STOPS), SIGINT (Ctrl-C: stop with a checkpoint, exit 130, not lose the work
+    since the last one), and the configured warning signal should it be another."""
+    names = ["SIGINT", *FORWARDED_STOPS]
+    return names + ([warning_signal] if warning_signal not in ("none", *names) else [])
 
 
 def signal_name(signum: int) -> str:
