@@ -121,3 +121,11 @@ def test_an_unreadable_lock_says_what_to_do(tmp_path):
     (tmp_path / run_lock.LOCK_FILE).write_text("{not json")
     with pytest.raises(UserError, match="(?s)not readable.*delete it"):
         run_lock.acquire(tmp_path)
+
+
+def test_a_lock_written_by_a_later_hpctrain_is_still_read(tmp_path, live_pid):
+    me = run_lock.this_process()
+    place(tmp_path, holder_on(me.host, live_pid, run_lock.process_start(live_pid)))
+    data = json.loads((tmp_path / run_lock.LOCK_FILE).read_text()) | {"gpu_count": 8}
+    (tmp_path / run_lock.LOCK_FILE).write_text(json.dumps(data))
+    assert f"pid {live_pid}" in run_lock.holder(tmp_path)

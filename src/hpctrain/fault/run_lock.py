@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
@@ -117,7 +117,8 @@ def read_owner(path: Path) -> Owner | None:
     """The lock file's holder; None when there is no lock file. An unreadable one is a UserError that names it."""
     try:
         data = json.loads(path.read_text())
-        return Owner(**data)
+        known = {f.name for f in fields(Owner)}  # a later hpctrain may write more: those are not ours to judge by
+        return Owner(**{k: v for k, v in data.items() if k in known})
     except FileNotFoundError:
         return None
     except (OSError, ValueError, TypeError) as err:
