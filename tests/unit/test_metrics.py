@@ -120,3 +120,36 @@ def test_the_local_reports_fourth_panel_shows_validation_metrics():
     assert empty.get_title() == "validation metrics: none logged"
     plt.close(fig)
     plt.close(fig2)
+
+
+def test_stop_and_resume_events_go_to_metrics_jsonl_only(tmp_path: Path, caplog):
+    """The report reads them from metrics.jsonl; the console has the log's own lines, TensorBoard no use for them."""
+    import logging
+
+    logger = build_metrics_logger(True, tmp_path, "lines", False, 30, 15, tty=False)
+    with caplog.at_level(logging.INFO, logger="hpctrain"):
+        logger.log({"step": 15, "split": "stop", "epoch": 0, "signal": "SIGTERM"})
+        logger.log({"step": 15, "split": "resume", "epoch": 0, "checkpoint": "step_00000015", "world_size": 2,
+                    "saved_world_size": 2})
+        logger.log({"step": 20, "split": "train", "loss": 0.5})
+    logger.close()
+    assert [r["split"] for r in read_metrics(tmp_path / "metrics.jsonl")] == ["resume", "stop", "train"]
+    assert "| resume |" not in caplog.text and "| stop |" not in caplog.text and "step 20/30 | train" in caplog.text
+
+
+def test_the_plots_mark_each_resume():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from hpctrain.metrics.plots import plot_loss
+
+    records = [{"step": s, "split": "train", "loss": 1 / s} for s in (10, 20, 30)]
+    records += [{"step": 15, "split": "resume"}, {"step": 24, "split": "resume"}]
+    fig, ax = plt.subplots()
+    plot_loss(ax, records)
+    marks = [line for line in ax.lines if line.get_linestyle() == "--"]
+    assert [list(line.get_xdata()) for line in marks] == [[15, 15], [24, 24]]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["train loss", "resumed"]  # named once
+    plt.close(fig)

@@ -131,3 +131,38 @@ def test_no_monitors_unless_the_job_asks(monkeypatch):
     monkeypatch.delenv("HPCTRAIN_MONITOR_DIR", raising=False)
     with node_monitors() as paths:
         assert paths == []
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    header = path.read_bytes()[16:24]  # IHDR: width, height
+    return int.from_bytes(header[:4], "big"), int.from_bytes(header[4:], "big")
+
+
+def _local_run(tmp_path: Path, **extra) -> Path:
+    """A run dir as a local CPU run leaves it: metrics.jsonl only, no node monitors."""
+    run = tmp_path / "local"
+    run.mkdir(parents=True)
+    records = [{"step": s, "split": "train", "loss": 2.0 / s, "samples_per_s": 100.0, **extra} for s in (10, 20, 30)]
+    records += [{"step": 30, "split": "val", "loss": 0.5, "accuracy": 0.9},
+                {"step": 15, "split": "stop", "signal": "SIGTERM"},
+                {"step": 15, "split": "resume", "checkpoint": "step_00000015", "world_size": 1, "saved_world_size": 2}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return run
+
+
+def test_a_cpu_runs_overview_has_no_empty_gpu_panel(tmp_path):
+    """Without nvidia-smi logs or the log's gpu_busy, the GPU panel took a quarter of the figure, empty: three
+    panels in a row instead. With gpu_busy, the fourth panel is back."""
+    cpu = _local_run(tmp_path / "cpu")
+    assert main(["report", str(cpu)]) == 0
+    assert _png_size(cpu / "report" / "overview.png") == (1500, 450)
+    gpu = _local_run(tmp_path / "gpu", gpu_busy=0.8)
+    assert main(["report", str(gpu)]) == 0
+    assert _png_size(gpu / "report" / "overview.png") == (1200, 750)
+
+
+def test_the_summary_says_where_the_run_stopped_and_resumed(tmp_path, capsys):
+    run = _local_run(tmp_path)
+    assert main(["report", str(run)]) == 0
+    assert ("- stops and resumes: stopped by SIGTERM at step 15; resumed at step 15 from checkpoint step_00000015 "
+            "(saved by 2 process(es), resumed on 1)\n") in capsys.readouterr().out

@@ -94,3 +94,14 @@ def test_the_log_says_each_changed_key_and_the_step():
     lines = changed_lines(before, after, step=10)
     assert "optim.lr: 0.003 -> 0.1 from step 10" in lines
     assert "optim.schedule: 'cosine' -> 'constant' from step 10" in lines and len(lines) == 2
+
+
+def test_the_open_log_window_is_part_of_the_train_state():
+    """What a stop between two train records saves (train/loop.py open_window), read back; a checkpoint written
+    before the fields existed resumes with an empty window."""
+    from hpctrain.train.state import TrainState
+
+    state = TrainState(step=15, log_loss=7.25, log_steps=5)
+    assert TrainState.from_dict(state.to_dict()) == state
+    old = {k: v for k, v in state.to_dict().items() if not k.startswith("log_")}
+    assert TrainState.from_dict(old).log_steps == 0 and TrainState.from_dict(old).log_loss == 0.0

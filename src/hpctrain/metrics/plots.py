@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hpctrain.metrics.records import series
+from hpctrain.metrics.records import events, series
 
 _SKIP = {"step", "split", "time", "epoch", "loss", "lr", "samples_per_s", "eta_s", "grad_norm"}
 
@@ -16,10 +16,19 @@ def plot_loss(ax, records: list[dict[str, Any]]) -> None:
         x, y = series(records, split, "loss")
         if x:
             ax.plot(x, y, style, label=f"{split} loss", markersize=3)
+    mark_resumes(ax, records, label=True)
     ax.set(title="loss (mean over all ranks)", xlabel="optimizer step")
     if ax.lines:
         ax.set_yscale("log")
         ax.legend()
+
+
+def mark_resumes(ax, records: list[dict[str, Any]], label: bool = False) -> None:
+    """A dashed vertical line at each step the run was resumed from a checkpoint (after a stop, a crash or the end
+    of a launch), on a panel whose x axis is the optimizer step; ``label``: name it in the panel's legend."""
+    for i, record in enumerate(events(records, "resume")):
+        ax.axvline(record["step"], color="grey", linestyle="--", linewidth=0.8,
+                   label="resumed" if label and i == 0 else None)
 
 
 def plot_training(records: list[dict[str, Any]], out: Path, title: str = "") -> Path:
@@ -39,12 +48,14 @@ def plot_training(records: list[dict[str, Any]], out: Path, title: str = "") -> 
         ax.plot(x, y, "o-", label=key, markersize=3)
         if y:
             ax.annotate(f"{y[-1]:.4g}", (x[-1], y[-1]), textcoords="offset points", xytext=(-10, 6))
+    mark_resumes(ax, records)
     ax.set(title="validation metrics", xlabel="optimizer step")
     if val_keys:
         ax.legend()
     for ax, key, label in ((axes[1, 0], "lr", "learning rate"), (axes[1, 1], "samples_per_s", "samples/s (all ranks)")):
         x, y = series(records, "train", key)
         ax.plot(x, y, "-")
+        mark_resumes(ax, records)
         ax.set(title=label, xlabel="optimizer step")
     if title:
         fig.suptitle(title)

@@ -25,6 +25,16 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 RECORD_FIELDS = ("step", "split", "time", "epoch")
 
+EVENTS = ("stop", "resume")
+"""Splits that mark what happened to the run rather than measure it: a stop by a signal ('signal'), a resume
+('checkpoint', 'world_size', 'saved_world_size'). In metrics.jsonl for the report; not on the console (the log
+says it) nor in TensorBoard."""
+
+
+def events(records: list[dict[str, Any]], split: str) -> list[dict[str, Any]]:
+    """The records of one event split, by step."""
+    return [r for r in records if r.get("split") == split]
+
 
 def metric_values(record: dict[str, Any]) -> dict[str, float]:
     """The numeric metrics of a record, without its bookkeeping fields (step, split, time, epoch)."""

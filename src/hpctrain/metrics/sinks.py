@@ -20,7 +20,7 @@ import numpy as np
 
 from hpctrain.errors import UserError
 from hpctrain.metrics.images import write_png
-from hpctrain.metrics.records import metric_values
+from hpctrain.metrics.records import EVENTS, metric_values
 
 log = logging.getLogger("hpctrain")
 
@@ -83,6 +83,8 @@ class TensorBoardSink:
         self.writer = SummaryWriter(log_dir=str(log_dir))
 
     def write(self, record: dict[str, Any]) -> None:
+        if record["split"] in EVENTS:
+            return
         for key, value in metric_values(record).items():
             self.writer.add_scalar(f"{record['split']}/{key}", value, record["step"])
 
@@ -133,6 +135,8 @@ class ConsoleSink:
                     self._redirected.append((handler, handler.setStream(_AboveBars(sys.stderr))))
 
     def write(self, record: dict[str, Any]) -> None:
+        if record["split"] in EVENTS:  # the log says it in words
+            return
         if self.bar is not None and record["split"] == "train":
             self.bar.n = record["step"]
             self.bar.set_postfix(loss=f"{record['loss']:.4g}", samples_s=f"{record.get('samples_per_s', 0):.0f}")

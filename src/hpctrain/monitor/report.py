@@ -2,7 +2,8 @@
 
 Inputs (whatever exists): metrics.jsonl; monitor/top_HOST.log and monitor/dmon_HOST.log from
 each node's monitors; monitor/sstat_JOB.txt and sacct/seff files from the job script.
-Outputs in RUN_DIR/report/: overview.png (loss, throughput, CPU and GPU use per node),
+Outputs in RUN_DIR/report/: overview.png (loss, throughput, CPU use per node, GPU use when there is any; the steps
+where the run resumed marked),
 gpu.png (utilisation, memory bandwidth, power, temperature per GPU), summary.md and
 index.html (the same summary with the pictures).
 """
@@ -15,10 +16,11 @@ import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 from hpctrain.errors import UserError
-from hpctrain.metrics.plots import plot_loss
-from hpctrain.metrics.records import metric_values, read_metrics, series
+from hpctrain.metrics.plots import mark_resumes, plot_loss
+from hpctrain.metrics.records import events, metric_values, read_metrics, series
 from hpctrain.monitor.gpu_busy import HOST_BOUND, LOADER_BOUND
 from hpctrain.monitor.parse import DmonTable, TopSeries, node_logs, parse_dmon, parse_parsable, parse_top
 
@@ -77,6 +79,7 @@ def summary_facts(data: RunData) -> dict:
     # Over the log windows that have the number (gpu_busy: windows of training steps alone, loop.log_train).
     facts["gpu_busy_median"] = _median([r.get("gpu_busy") for r in train])
     facts["data_wait_median"] = _median([r.get("data_wait_frac") for r in train])
+    facts["interruptions"] = interruptions(data.records)
     if val:
         facts["final_val"] = metric_values(val[-1])
     facts["cpu_busy_mean"] = {h: _mean(t.cpu_busy) for h, t in data.top.items()}
@@ -85,6 +88,16 @@ def summary_facts(data: RunData) -> dict:
     facts["gpu_mem_bw_mean"] = {f"{h} gpu{g}": _mean(d.series(g, "mem")[1])
                                 for h, d in data.dmon.items() for g in d.gpus() if "mem" in d.columns}
     return facts
+
+
+def interruptions(records: list[dict]) -> list[str]:
+    """Where the run was stopped (by a signal) and resumed, in step order, from metrics.jsonl's event records."""
+    found = [(r["step"], 0, f"stopped by {r.get('signal', 'a signal')} at step {r['step']}")
+             for r in events(records, "stop")]
+    found += [(r["step"], 1, f"resumed at step {r['step']} from checkpoint {r.get('checkpoint', '?')} (saved by "
+                             f"{r.get('saved_world_size', '?')} process(es), resumed on {r.get('world_size', '?')})")
+              for r in events(records, "resume")]
+    return [text for _, _, text in sorted(found)]
 
 
 def observations(facts: dict) -> list[str]:
@@ -131,49 +144,69 @@ def busy_observations(facts: dict) -> list[str]:
 
 
 def _plot_overview(data: RunData, out: Path) -> Path:
+    """Loss, throughput, CPU use per node (or the validation metrics), and GPU use when there is any to show: a CPU
+    run's figure has no empty GPU panel."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(12, 7.5), constrained_layout=True)
-    plot_loss(axes[0, 0], data.records)
-    ax = axes[0, 1]
-    x, y = series(data.records, "train", "samples_per_s")
-    ax.plot(x, y, "-")
-    ax.set(title="throughput (samples/s, all ranks)", xlabel="optimizer step")
-    ax = axes[1, 0]
-    if data.top:
-        for host, top in sorted(data.top.items()):
-            ax.plot(top.seconds, top.cpu_busy, label=host)
-        ax.set(title="CPU busy per node (%)", xlabel="seconds since the node's launcher started", ylim=(0, 105))
-        ax.legend()
-    else:  # a run without the job's node monitors (a local one): its validation metrics instead of an empty panel
-        plot_val_metrics(ax, data.records)
-    ax = axes[1, 1]
-    if not data.dmon:  # a run without nvidia-smi logs: the training log's own NVML kernel time, if it has one
-        x, y = series(data.records, "train", "gpu_busy")
-        if x:
-            ax.plot(x, [100 * v for v in y], "-", label="gpu_busy (mean of the ranks)")
-            ax.set(title="GPU busy (% of time a kernel ran, NVML)", xlabel="optimizer step", ylim=(0, 105))
-            ax.legend(fontsize="small")
-            return _finish_overview(fig, plt, data, out)
-    for host, table in sorted(data.dmon.items()):
-        for gpu in table.gpus():
-            t, v = table.series(gpu, "sm")
-            ax.plot(t, v, label=f"{host} gpu{gpu}")
-    ax.set(title="GPU utilisation (%)" if data.dmon else "GPU utilisation: no nvidia-smi logs",
-           xlabel="seconds", ylim=(0, 105))
-    if data.dmon:
-        ax.legend(fontsize="small")
-    return _finish_overview(fig, plt, data, out)
-
-
-def _finish_overview(fig, plt, data: RunData, out: Path) -> Path:
+    panels = [lambda ax: plot_loss(ax, data.records), lambda ax: _throughput_panel(ax, data.records),
+              lambda ax: _hosts_panel(ax, data)]
+    gpu = _gpu_panel(data)
+    if gpu is not None:
+        panels.append(gpu)
+    rows, cols = (2, 2) if len(panels) == 4 else (1, len(panels))
+    fig, axes = plt.subplots(rows, cols, figsize=(12, 7.5) if rows == 2 else (15, 4.5), constrained_layout=True)
+    for ax, draw in zip(axes.flat, panels):
+        draw(ax)
     fig.suptitle(f"{data.run_dir.name}")
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def _throughput_panel(ax, records: list[dict]) -> None:
+    x, y = series(records, "train", "samples_per_s")
+    ax.plot(x, y, "-")
+    mark_resumes(ax, records)
+    ax.set(title="throughput (samples/s, all ranks)", xlabel="optimizer step")
+
+
+def _hosts_panel(ax, data: RunData) -> None:
+    if not data.top:  # a run without the job's node monitors (a local one): its validation metrics instead
+        plot_val_metrics(ax, data.records)
+        return
+    for host, top in sorted(data.top.items()):
+        ax.plot(top.seconds, top.cpu_busy, label=host)
+    ax.set(title="CPU busy per node (%)", xlabel="seconds since the node's launcher started", ylim=(0, 105))
+    ax.legend()
+
+
+def _gpu_panel(data: RunData) -> Callable[[Any], None] | None:
+    """The GPU panel's drawing: nvidia-smi's utilisation per GPU, else the training log's own NVML kernel time
+    (gpu_busy); None without either (a CPU run)."""
+    if data.dmon:
+        return lambda ax: _dmon_panel(ax, data.dmon)
+    x, y = series(data.records, "train", "gpu_busy")
+    if not x:
+        return None
+
+    def busy(ax) -> None:
+        ax.plot(x, [100 * v for v in y], "-", label="gpu_busy (mean of the ranks)")
+        mark_resumes(ax, data.records)
+        ax.set(title="GPU busy (% of time a kernel ran, NVML)", xlabel="optimizer step", ylim=(0, 105))
+        ax.legend(fontsize="small")
+    return busy
+
+
+def _dmon_panel(ax, dmon: dict[str, DmonTable]) -> None:
+    for host, table in sorted(dmon.items()):
+        for gpu in table.gpus():
+            t, v = table.series(gpu, "sm")
+            ax.plot(t, v, label=f"{host} gpu{gpu}")
+    ax.set(title="GPU utilisation (%)", xlabel="seconds", ylim=(0, 105))
+    ax.legend(fontsize="small")
 
 
 def plot_val_metrics(ax, records: list[dict]) -> None:
@@ -183,6 +216,7 @@ def plot_val_metrics(ax, records: list[dict]) -> None:
     for name in names:
         x, y = series(records, "val", name)
         ax.plot(x, y, "o-", label=name)
+    mark_resumes(ax, records)
     ax.set(title="validation metrics" if names else "validation metrics: none logged", xlabel="optimizer step")
     if names:
         ax.legend()
@@ -217,6 +251,8 @@ def summary_markdown(data: RunData, facts: dict, pictures: list[str]) -> str:
     lines = [f"# Run report: {data.run_dir.name}", "", f"Run dir: `{data.run_dir}`", ""]
     lines += [f"- optimizer steps logged: {facts['steps']}",
               f"- throughput (median of the logged intervals): {_fmt(facts['samples_per_s_median'])} samples/s"]
+    if facts["interruptions"]:  # the plots mark the resumes with dashed lines
+        lines.append("- stops and resumes: " + "; ".join(facts["interruptions"]))
     details: dict[str, list[tuple[str, float]]] = {}
     if "final_val" in facts:
         top = {k: v for k, v in facts["final_val"].items() if "/" not in k}

@@ -14,6 +14,7 @@ from hpctrain.checkpoint.policy import save_due
 from hpctrain.dist.collectives import all_reduce_sums, broadcast_buffers
 from hpctrain.dist.wrap import fsdp_of, place_model
 from hpctrain.experiments.base import has_outputs
+from hpctrain.fault.signals import signal_name
 from hpctrain.monitor.gpu_busy import LOADER_BOUND, StepFacts, host_bound, host_bound_advice, open_meter
 from hpctrain.train.context import TrainContext
 from hpctrain.train.evaluate import evaluate
@@ -42,6 +43,7 @@ def train(ctx: TrainContext) -> LoopResult:
         if ctx.busy_meter.why_not and ctx.runtime.is_main:
             log.info("GPU busy (the log's gpu_busy) not measured: %s", ctx.busy_meter.why_not)
     window = _Window(ctx.state.step, ctx.busy_meter.meter)
+    window.carried_loss, window.carried_steps = ctx.state.log_loss, ctx.state.log_steps  # a stop's open window
     last_val: dict[str, float] = {}
     val_step = 0
     ctx.fault.last_save = time.monotonic()
@@ -83,19 +85,19 @@ def after_step(ctx: TrainContext, window: "_Window", epoch_ended: bool) -> tuple
     if verdict.stop_signal and not leaving:
         return None, stop_with_checkpoint(ctx, window, verdict.stop_signal, eval_due(ctx, epoch_ended),
                                           outputs_due(ctx, epoch_ended))
-    if step % cfg.log.every_steps == 0 or step in (total, ctx.end_step):
+    if log_due(ctx):
         log_train(ctx, window)
     # A stop signal at the last step: the run ends here anyway (exit 0, no requeue), but its checkpoint comes
     # before the final validation, inside the grace Slurm gives between SIGTERM and SIGKILL.
     saved_first = leaving and bool(verdict.stop_signal)
     if saved_first:
-        _save(ctx, wait=True)
+        _save(ctx, window, wait=True)
         if ctx.runtime.is_main:
             log.warning("stop signal at step %d, this launch's last: checkpoint saved, finishing normally", step)
     val = validate(ctx) if eval_due(ctx, epoch_ended) else None
     saving = not saved_first and (save_due(step, total, cfg.ckpt.every_steps) or leaving or verdict.save_due)
     if saving:
-        _save(ctx, wait=leaving)  # the last save is waited for: a finished run exits only with it on disk
+        _save(ctx, window, wait=leaving)  # the last save is waited for: a finished run exits only with it on disk
     making = outputs_due(ctx, epoch_ended)
     if making:
         make_outputs(ctx, final=step == total)
@@ -125,8 +127,9 @@ def validate(ctx: TrainContext) -> dict[str, float]:
     return val
 
 
-def _save(ctx: TrainContext, wait: bool) -> None:
+def _save(ctx: TrainContext, window: "_Window", wait: bool) -> None:
     ctx.fault.heartbeat.mark("checkpoint")
+    ctx.state.log_loss, ctx.state.log_steps = open_window(ctx, window)
     settle_skips(ctx)  # the train state's skip counts up to this step, for the resumed run
     ctx.checkpointer.save(ctx.state.to_dict(), ctx.stateful(), capture_rng(ctx.runtime.device), wait=wait)
     if ctx.compile_cache is not None:
@@ -180,10 +183,14 @@ def stop_with_checkpoint(ctx: TrainContext, window: "_Window", stop_signal: int,
                          skipped_outputs: bool = False) -> int:
     """A stop signal: the checkpoint first and nothing that resuming does not need. Slurm's grace after
     SIGTERM (KillWait) is often 30 s, and a validation pass or a plot before the save can outlast it."""
-    log_train(ctx, window)  # one small all-reduce: the loss of the steps since the last line is not lost
-    # In the checkpoint: the resumed run validates this step and makes its outputs first.
+    if log_due(ctx):
+        log_train(ctx, window)
+    # Otherwise no record: the checkpoint holds the open window (_save), which the resumed run continues, so its
+    # records equal an uninterrupted run's. In it too: the resumed run validates this step and makes its outputs first.
     ctx.state.eval_pending, ctx.state.outputs_pending = skipped_eval, skipped_outputs
-    _save(ctx, wait=True)  # the job exits only with it on disk
+    _save(ctx, window, wait=True)  # the job exits only with it on disk
+    ctx.metrics.log({"step": ctx.state.step, "split": "stop", "epoch": ctx.state.epoch,
+                     "signal": signal_name(stop_signal)})  # where the report marks the stop
     skipped = [what for what, due in (("validation", skipped_eval), ("outputs", skipped_outputs)) if due]
     if skipped and ctx.runtime.is_main:
         log.warning("%s due at step %d skipped: stopping (the resumed run catches up at step %d first)",
@@ -213,6 +220,22 @@ def report_skipped_samples(ctx: TrainContext, epoch: int) -> None:
         ctx.metrics.log({"step": ctx.state.step, "split": "data", "epoch": epoch, "skipped_samples": total})
 
 
+def log_due(ctx: TrainContext) -> bool:
+    """A train record at this step: every log.every_steps and at the run's last step. Not at the end of a launch
+    before that (train.stop_at_step) nor at a stop: windows stay aligned across a resume (the checkpoint holds the
+    open one)."""
+    return ctx.state.step % ctx.cfg.log.every_steps == 0 or ctx.state.step == ctx.total_steps
+
+
+def open_window(ctx: TrainContext, window: "_Window") -> tuple[float, int]:
+    """The open log window as a checkpoint holds it (TrainState.log_loss, log_steps): world-size independent, one
+    small all-reduce when it has steps in this launch (the same count on every rank)."""
+    if not window.steps:
+        return window.carried_loss, window.carried_steps
+    summed = all_reduce_sums({"loss": window.loss_sum}, ctx.runtime)["loss"]
+    return window.carried_loss + summed / ctx.runtime.world_size, window.carried_steps + window.steps
+
+
 def log_train(ctx: TrainContext, window: "_Window") -> None:
     """The logged loss is the mean over all ranks and all steps since the last log: one all-reduce, only here."""
     # This rank's GPU since the window began; a window with more than training steps in it has no number.
@@ -221,8 +244,11 @@ def log_train(ctx: TrainContext, window: "_Window") -> None:
     if window.busy is not None and window.busy.silent() and ctx.runtime.is_main:
         log.info("GPU busy (gpu_busy) not measured: NVML has given no utilisation samples for this GPU in %d log "
                  "windows (a MIG instance has none)", window.busy.empty_reads)
+    # A resumed run's open window: counted once (rank 0), weighed as the uninterrupted run's ranks would weigh it.
+    carried = ctx.runtime.world_size if ctx.runtime.is_main else 0
     stats = {"loss": window.loss_sum, "n": float(window.steps), "wait": window.data_wait,
-             "busy": busy or 0.0, "busy_n": float(busy is not None)}
+             "busy": busy or 0.0, "busy_n": float(busy is not None),
+             "carried_loss": carried * window.carried_loss, "carried_n": float(carried * window.carried_steps)}
     sums = all_reduce_sums(stats, ctx.runtime)
     now = time.perf_counter()
     elapsed = now - window.started
@@ -232,7 +258,7 @@ def log_train(ctx: TrainContext, window: "_Window") -> None:
         "step": ctx.state.step,
         "split": "train",
         "epoch": ctx.state.epoch,
-        "loss": sums["loss"] / sums["n"],
+        "loss": (sums["loss"] + sums["carried_loss"]) / (sums["n"] + sums["carried_n"]),
         "lr": window.lr,
         "samples_per_s": steps * ctx.plan.global_batch_size / elapsed,
         "eta_s": (ctx.total_steps - ctx.state.step) * elapsed / max(steps, 1),
@@ -333,6 +359,9 @@ class _Window:
         self.grad_norm: torch.Tensor | None = None
         self.lr = 0.0
         self.data_wait = 0.0
+        self.carried_loss, self.carried_steps = 0.0, 0
+        """The window's steps before a stop, from the checkpoint (TrainState.log_loss, log_steps): their summed
+        loss (mean over the ranks) and their count."""
         self.disturbed = False
         """Something else than training steps ran in this window (validation, a checkpoint, outputs, the loader's
         start, the graph's warm-up and capture): its GPU time says nothing about the step."""

@@ -259,6 +259,10 @@ def _train_holding_run_dir(cfg: RunConfig, runtime: Runtime, experiment: Experim
             runtime.is_main, Path(cfg.run_dir), cfg.log.progress, cfg.log.tensorboard,
             ctx.total_steps, ctx.state.step, stdout_is_terminal(),
         )
+        if resumed is not None:  # where the report marks the resume (a stop by a signal has its own record)
+            ctx.metrics.log({"step": ctx.state.step, "split": "resume", "epoch": ctx.state.epoch,
+                             "checkpoint": resumed.path.name, "world_size": runtime.world_size,
+                             "saved_world_size": resumed.saved_world_size})
         result = loop.train(ctx)
     except BaseException as raised:
         err = translate_error(raised)

@@ -38,6 +38,12 @@ class TrainState:
     step as an uninterrupted one when train.max_skipped_steps is passed."""
     skipped_at: list[int] = field(default_factory=list)
     """The steps skipped since the last train record (its skipped_steps and skipped_at)."""
+    log_loss: float = 0.0
+    """The open log window at the save (the steps since the last train record; log.every_steps): the sum over its
+    steps of the step's loss, mean over the ranks. A stop between two records writes none; the resumed run continues
+    the window, so its next record averages the same steps as an uninterrupted run's, on any world size."""
+    log_steps: int = 0
+    """Steps in that window."""
 
     def advance(self, global_batch_size: int, steps_per_epoch: int) -> None:
         self.step += 1
@@ -57,7 +63,8 @@ class TrainState:
                   "skipped_at": [int(s) for s in data.get("skipped_at", [])]}
         return cls(**known, global_batch_size=int(data.get("global_batch_size", 0)),
                    data_order=str(data.get("data_order", "")), eval_pending=bool(data.get("eval_pending", False)),
-                   outputs_pending=bool(data.get("outputs_pending", False)))
+                   outputs_pending=bool(data.get("outputs_pending", False)),
+                   log_loss=float(data.get("log_loss", 0.0)), log_steps=int(data.get("log_steps", 0)))
 
 
 def read_state(path: Path) -> TrainState | None:
