@@ -8,8 +8,9 @@ rendezvous). What we change, measured on torch 2.14:
   of the workers' exit code. SIGUSR1/SIGUSR2 it does not handle at all: their
   default action kills torchrun, and the workers (each in a session of its own)
   never hear of it. Here SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 are forwarded to the
-  worker processes and torchrun keeps running, so the workers can stop at a step
-  boundary, save, and exit with fault.exit_code, which we pass on. SIGINT (Ctrl-C)
+  worker processes (not the node monitors) and torchrun keeps running, so the workers
+  stop at a step boundary, save, and exit with fault.exit_code (each of these is a stop
+  signal in a worker: fault/signals.FORWARDED_STOPS), which we pass on. SIGINT (Ctrl-C)
   too: the workers stop at the next step boundary with a checkpoint and exit 130; a
   second SIGINT stops them at once (SIGKILL after INTERRUPT_GRACE_S). torchrun's own
   handling (SIGTERM to the workers, then a SignalException traceback and exit 1)
@@ -17,7 +18,10 @@ rendezvous). What we change, measured on torch 2.14:
 - Failures. Its ChildFailedError traceback and boxed summary bury the workers' own
   messages; we print one line about the first failure and exit with that worker's
   code (2 for bad input, 128+N for signal N) instead of 1, and send the failure alert
-  once for all ranks.
+  once for all ranks. Its `failed (exitcode: N)` line is dropped where N is a clean
+  stop's (fault.exit_code, 130): our own line follows and says what happened.
+- Threads. One warning when OMP_NUM_THREADS x processes exceed the cores this launcher
+  may use; the launcher itself runs on one intra-op thread (dist/forked_workers).
 """
 
 from __future__ import annotations
@@ -42,10 +46,10 @@ from hpctrain.config.schema import FaultSection
 from hpctrain.dist.env import agent_environment
 from hpctrain.dist.forked_workers import LauncherThreads, fork_refusal, forked_workers, quiet_launcher
 from hpctrain.dist.launcher import CleanStopLines, oversubscription, torchrun_args
-from hpctrain.fault.signals import SAME_PRESS_S
+from hpctrain.fault.signals import FORWARDED_STOPS, SAME_PRESS_S
 from hpctrain.monitor.sidecars import node_monitors, running_monitors
 
-FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+FORWARDED = tuple(getattr(signal, name) for name in FORWARDED_STOPS)
 
 
 def exit_code(worker_exitcode: int) -> int:
