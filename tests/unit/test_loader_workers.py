@@ -99,3 +99,76 @@ def test_forkserver_workers_start_from_a_helper_that_has_imported_torch(tmp_path
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-2:] == ["[1,", "1]"], out.stdout  # the helper has torch; the helper is not the rank
+
+
+SPEECH_DATA = """
+import torch
+
+def utterances(n, requires_grad=False):  # speech's natural form: one 1-D tensor per utterance, each its own length
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(5, 60, (n,), generator=g)
+    return [torch.randn(int(k), generator=g).requires_grad_(requires_grad) for k in lengths]
+
+def pad(samples):
+    out = torch.zeros(len(samples), max(len(x) for x in samples))
+    for i, x in enumerate(samples):
+        out[i, :len(x)] = x.detach()
+    return out
+"""
+
+SPEECH = """
+import os, sys, torch
+from torch.utils.data import BatchSampler, SequentialSampler
+from hpctrain.config.schema import DataSection
+from hpctrain.data.loader import build_loader
+from hpctrain.dist.runtime import single_process_runtime
+from hpctrain.errors import UserError
+from speech_data import pad, utterances
+
+data = utterances(int(sys.argv[1]), requires_grad=sys.argv[2] == "grad")
+batches = lambda workers: list(build_loader(data, BatchSampler(SequentialSampler(data), 16, False),
+                                            DataSection(num_workers=workers, worker_start="forkserver"),
+                                            single_process_runtime(torch.device("cpu")), collate_fn=pad))
+try:
+    with_workers = batches(2)
+except UserError as err:
+    sys.exit(f"UserError: {err}")
+assert all(torch.equal(a, b) for a, b in zip(with_workers, batches(0))) and len(with_workers) == -(-len(data) // 16)
+print("equal", len(os.listdir("/proc/self/fd")))
+"""
+
+
+def _run_speech(tmp_path, *args: str):
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "speech_data.py").write_text(SPEECH_DATA)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-c", SPEECH, *args], capture_output=True, text=True, timeout=240, env=env)
+
+
+def test_a_list_of_many_variable_length_tensors_reaches_the_workers(tmp_path):
+    """torch sends each tensor's storage to a worker as a file descriptor, and forkserver passes at most 253 in a
+    start ('ValueError: too many fds'): 1,000 utterances go as one shared block, and the batches are those made
+    without workers."""
+    out = _run_speech(tmp_path, "1000", "plain")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[0] == "equal" and int(out.stdout.split()[1]) < 100  # not one open fd per tensor
+
+
+def test_tensors_that_cannot_be_packed_stop_with_what_to_do(tmp_path):
+    out = _run_speech(tmp_path, "400", "grad")  # tensors that need gradients are left to torch: one fd each
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "its tensors need more file descriptors than a process start can pass" in out.stderr
+    assert "data.num_workers=0" in out.stderr
+
+
+def test_a_list_of_tensors_is_in_memory_and_gets_no_workers_on_a_cpu():
+    """data.num_workers=-1 as `config --describe` says: none for an in-memory set on a CPU run; a list of file
+    names is read, not indexed."""
+    utterances = [(torch.zeros(k), 0) for k in (3, 5, 2)]
+    assert in_memory(utterances) and auto_workers(RUNTIME, utterances) == 0
+    assert not in_memory(["a.wav", "b.wav"]) and auto_workers(RUNTIME, ["a.wav"]) == auto_workers(RUNTIME)
+    on_gpu = dataclasses.replace(RUNTIME, device=torch.device("cuda", 0))
+    assert auto_workers(on_gpu, utterances, transform=lambda s, g: s) == auto_workers(on_gpu)

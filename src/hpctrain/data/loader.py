@@ -4,6 +4,7 @@ samples, and loader settings from the machine."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import multiprocessing
 import os
@@ -14,6 +15,7 @@ import signal
 import threading
 import time
 from multiprocessing import resource_tracker
+from multiprocessing.context import get_spawning_popen
 from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
@@ -24,6 +26,7 @@ from hpctrain.config.schema import DataSection
 from hpctrain.data.sampler import SampleKey
 from hpctrain.data.seeding import SALT_WORKER, mix_seed, sample_generator
 from hpctrain.data.shardset import DataError
+from hpctrain.data.tensor_pack import Packed, pack, unpack
 from hpctrain.dist.env import cpus_available
 from hpctrain.dist.runtime import Runtime
 from hpctrain.errors import UserError
@@ -72,6 +75,19 @@ class KeyedDataset(Dataset):
                 out.skipped.append(str(err).splitlines()[0])
         return out
 
+    _packed: Packed | bool | None = None  # pack()'s result once made; False: too few tensors to pack
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """A worker's start pickles its data set: many tensors go as one shared block (data/tensor_pack.py)."""
+        if get_spawning_popen() is None:  # not a process start (fork sends nothing; a plain pickle copies)
+            return super().__reduce_ex__(protocol)
+        if self._packed is None:
+            self._packed = pack(self.__getstate__()) or False
+        return super().__reduce_ex__(protocol) if self._packed is False else (_unpacked, self._packed)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_packed"}
+
     def _seed_worker(self, epoch: int) -> None:
         info = get_worker_info()
         if info is None or epoch == self._seeded_epoch:
@@ -81,6 +97,12 @@ class KeyedDataset(Dataset):
         torch.manual_seed(seed)
         random.seed(seed)
         np.random.seed(seed % 2**32)
+
+
+def _unpacked(*packed: Any) -> KeyedDataset:
+    keyed = KeyedDataset.__new__(KeyedDataset)
+    keyed.__dict__.update(unpack(*packed))
+    return keyed
 
 
 class Fetched(list):
@@ -146,17 +168,7 @@ class SkipCountingLoader:
             yield from fetch_in_process(loader)
             return
         with stop_signals_blocked() if loader.num_workers > 0 else contextlib.nullcontext():  # workers start in iter()
-            try:
-                it = iter(loader)
-            except (AttributeError, TypeError, pickle.PicklingError) as err:
-                if "pickle" not in str(err):
-                    raise
-                raise UserError(
-                    f"the data set cannot be sent to the loader's worker processes (data.worker_start="
-                    f"{loader.multiprocessing_context.get_start_method() if loader.multiprocessing_context else '?'}"
-                    f" pickles it): {err}",
-                    "define transforms and datasets at module level (a lambda or a function inside a method cannot "
-                    "be pickled), or set data.num_workers=0 (no worker processes).") from None
+            it = start_workers(loader)
         while True:
             try:
                 item = next(it)
@@ -169,6 +181,27 @@ class SkipCountingLoader:
     def take_skipped(self) -> list[str]:
         out, self.skipped = self.skipped, []
         return out
+
+
+def start_workers(loader: DataLoader) -> Iterator[Any]:
+    """iter(loader), which starts its workers and sends each the data set; a data set that cannot be sent stops the
+    run with what to do."""
+    start = loader.multiprocessing_context.get_start_method() if loader.multiprocessing_context else "?"
+    cannot = f"the data set cannot be sent to the loader's worker processes (data.worker_start={start} pickles it)"
+    try:
+        return iter(loader)
+    except (AttributeError, TypeError, pickle.PicklingError) as err:
+        if "pickle" not in str(err):
+            raise
+        raise UserError(f"{cannot}: {err}",
+                        "define transforms and datasets at module level (a lambda or a function inside a method cannot "
+                        "be pickled), or set data.num_workers=0 (no worker processes).") from None
+    except (ValueError, OSError) as err:
+        if str(err) != "too many fds" and getattr(err, "errno", None) != errno.EMFILE:
+            raise
+        raise UserError(f"{cannot}: its tensors need more file descriptors than a process start can pass ({err})",
+                        "hold the samples as plain tensors that need no gradient (those are sent as one shared block), "
+                        "or set data.num_workers=0 (no worker processes).") from None
 
 
 def fetch_in_process(loader: DataLoader) -> Iterator[Any]:
@@ -270,18 +303,29 @@ def _sigterm_from(rank_pid: int) -> None:
 
 
 def in_memory(dataset: Any) -> bool:
-    """Samples that are indexed, not read or decoded: a TensorDataset (or a Subset or concatenation of ones), or a
-    data set that says so with `in_memory = True`. Worker processes only add pickling and a pipe per batch there
-    (measured: a 4-class CNN on a TensorDataset, 2.0 s an epoch without workers, 6.8 s with them)."""
+    """Samples that are indexed, not read or decoded: a TensorDataset, a list or tuple of samples that hold tensors
+    or arrays (the usual form of variable-length data), a Subset or concatenation of those, or a data set that says
+    so with `in_memory = True`. Worker processes only add pickling and a pipe per batch there (measured: a 4-class
+    CNN on a TensorDataset, 2.0 s an epoch without workers, 6.8 s with them)."""
     from torch.utils.data import ConcatDataset, Subset, TensorDataset
 
     if isinstance(dataset, TensorDataset) or getattr(dataset, "in_memory", False) is True:
         return True
+    if isinstance(dataset, (list, tuple)):  # the first sample tells: a list of file names is read, not indexed
+        return len(dataset) > 0 and _holds_tensor(dataset[0])
     if isinstance(dataset, Subset):
         return in_memory(dataset.dataset)
     if isinstance(dataset, ConcatDataset):
         return all(in_memory(d) for d in dataset.datasets)
     return False
+
+
+def _holds_tensor(sample: Any) -> bool:
+    if isinstance(sample, (tuple, list)):
+        return any(_holds_tensor(part) for part in sample)
+    if isinstance(sample, dict):
+        return any(_holds_tensor(part) for part in sample.values())
+    return isinstance(sample, (torch.Tensor, np.ndarray))
 
 
 def auto_workers(runtime: Runtime, dataset: Any = None, transform: Any = None) -> int:
