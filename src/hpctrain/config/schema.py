@@ -124,8 +124,9 @@ class DataSection:
     augment: bool = True
     """Apply the experiment's training augmentation. Its randomness comes from (seed, epoch, sample index)."""
     num_workers: int = -1
-    """Data-loader worker processes per rank; -1 picks from the CPUs this process may use (none for an in-memory data
-    set without a per-sample transform, or on a CPU run)."""
+    """Data-loader worker processes per rank; -1 picks from the CPUs this process may use (one left for the rank, at
+    most 8), and none for an in-memory data set (a TensorDataset, a list of samples holding tensors, or one with
+    in_memory = True) unless it has a per-sample transform and the run is on a GPU."""
     pin_memory: bool = True
     """Pin host memory for faster, asynchronous copies to the GPU (ignored on CPU)."""
     persistent_workers: bool = True
