@@ -87,13 +87,13 @@ def test_a_run_dir_a_live_training_holds_is_refused_before_sbatch(tmp_path, slur
     assert submit(run) == 0  # its holder is gone: the stale lock does not block
 
 
-def save_checkpoint(run: Path, experiment: str, global_batch: int) -> None:
+def save_checkpoint(run: Path, experiment: str, global_batch: int, config_text: str = "") -> None:
     model = nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     stateful = {"model": model, "optimizer": optimizer, "scaler": torch.amp.GradScaler("cpu", enabled=False),
                 "scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), "ema": None}
     state = TrainState(step=20, epoch=1, step_in_epoch=6, samples_seen=800, global_batch_size=global_batch)
-    Checkpointer(run, experiment, single_process_runtime(torch.device("cpu")), "", 3).save(
+    Checkpointer(run, experiment, single_process_runtime(torch.device("cpu")), config_text, 3).save(
         state.to_dict(), stateful, {"python": None})
 
 
@@ -157,3 +157,22 @@ def test_a_sweep_point_that_a_live_training_holds_is_refused_before_sbatch(tmp_p
     assert code == 2
     assert f"in use by a running training: {point} (pid {holder.pid}" in capsys.readouterr().err
     assert not slurm.calls.exists()
+
+
+def test_a_model_setting_that_differs_from_the_checkpoint_is_an_error_force_passes(tmp_path, slurm, capsys):
+    """model.width 8 in the checkpoint, 32 (digits' default) here: the job would fail at its restore, on every rank,
+    after its queue wait. --force passes it (a dropout rate changes no shape)."""
+    from hpctrain.config import config_to_toml
+    from hpctrain.train.entry import resolve
+
+    run = tmp_path / "run"
+    saved = resolve("digits", None, (f"run.dir={run}", "model.width=8"))[1]
+    save_checkpoint(run, "digits", saved.train.global_batch_size, config_to_toml(saved))
+    assert submit(run) == 2
+    err = capsys.readouterr().err
+    assert "ERROR   model.width: is 32 here but 8 in" in err and "--force" in err
+    assert not slurm.calls.exists()
+    slurm.state.write_text("COMPLETED")  # each submit below records a job: ended at once
+    assert submit(run, "model.width=8") == 0  # the run's own settings: nothing to say
+    assert "model.width" not in capsys.readouterr().err
+    assert submit(run, "--force") == 0

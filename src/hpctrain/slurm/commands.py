@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+from hpctrain.config.load import config_to_toml, flat_differences
 from hpctrain.config.schema import RunConfig
 from hpctrain.errors import UserError
 from hpctrain.metrics.records import metric_values, read_metrics
@@ -25,8 +26,8 @@ def render_command(experiment: str, config_file: str | None, overrides: tuple[st
     return 0
 
 
-def check_findings(cfg: RunConfig, spec: render.JobSpec) -> list[lint.Finding]:
-    findings = lint.lint(cfg, spec, facts.gather_facts(cfg, spec))
+def check_findings(cfg: RunConfig, spec: render.JobSpec, extra: list[lint.Finding] = ()) -> list[lint.Finding]:
+    findings = [*extra, *lint.lint(cfg, spec, facts.gather_facts(cfg, spec))]
     for f in findings:
         print(f.format(), file=sys.stderr)
     return findings
@@ -50,8 +51,8 @@ def submit_command(experiment: str, config_file: str | None, overrides: tuple[st
     # What would fail on the nodes after the queue wait, refused here whatever --force says: a second writer of the
     # run dir (its own job queued or running, or a training holding it), a checkpoint this config cannot resume.
     job.refuse_busy_run_dir(Path(spec.run_dir))
-    check_resume(cfg)
-    findings = check_findings(cfg, spec)
+    checkpoint = check_resume(cfg)
+    findings = check_findings(cfg, spec, model_changes(cfg, checkpoint))
     errors = [f for f in findings if f.level == "error"]
     if errors and not force:
         raise UserError(f"not submitted: {len(errors)} error(s) in the job (listed above)",
@@ -62,6 +63,21 @@ def submit_command(experiment: str, config_file: str | None, overrides: tuple[st
           f"  {shlex.join(['hpctrain', 'slurm', 'status', spec.run_dir])}\n"
           f"  {shlex.join(['hpctrain', 'slurm', 'logs', spec.run_dir, '--follow'])}", file=sys.stderr)
     return 0
+
+
+def model_changes(cfg: RunConfig, checkpoint: Path | None) -> list[lint.Finding]:
+    """[model] settings that differ from those of the checkpoint the job would resume: it would load that only after
+    its queue wait, and fail there if a parameter's shape changed. Errors that --force passes: a setting that
+    changes no shape (a dropout rate) resumes well."""
+    try:
+        saved = (checkpoint / "config.toml").read_text(encoding="utf-8") if checkpoint is not None else ""
+    except OSError:
+        return []
+    return [lint.Finding("error", key, f"is {now} here but {then} in {checkpoint}, which this job would resume",
+                         "resume with the [model] settings the run was started with (config.toml in the checkpoint), "
+                         "use a new run.dir, or pass --force if this setting changes no parameter's shape")
+            for key, then, now in flat_differences(saved, config_to_toml(cfg))
+            if key.startswith("model.") and then is not None]  # None: a key the checkpoint's hpctrain did not have
 
 
 def status_command(target: str) -> int:

@@ -69,15 +69,17 @@ def preflight(cfg: RunConfig, world_size: int, command: str = "train") -> None:
     check_resume(cfg, command)
 
 
-def check_resume(cfg: RunConfig, command: str = "train") -> None:
+def check_resume(cfg: RunConfig, command: str = "train") -> Path | None:
     """The checkpoint this launch would start from, against the config: the local launch checks it, and so does
-    `hpctrain slurm submit` before sbatch (a refusal after the queue wait would come from every rank)."""
+    `hpctrain slurm submit` before sbatch (a refusal after the queue wait would come from every rank). Returns
+    its path (None for a fresh start)."""
     # Cheap checks only (the workers verify checksums before loading).
     chosen, _ = select_checkpoint(Path(cfg.run_dir) / "checkpoints", cfg.ckpt.resume, cfg.experiment,
                                   verify_checksums=False)
     if command == "train" and chosen is not None:
         _check_saved_batch(chosen.path, cfg)
         refuse_fixed_changes(chosen.path, cfg)  # optim.name: the checkpoint's optimizer state belongs to it
+    return chosen.path if chosen is not None else None
 
 
 def _check_saved_batch(path: Path, cfg: RunConfig) -> None:
