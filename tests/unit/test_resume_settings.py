@@ -16,7 +16,9 @@ from hpctrain.config.schema import OptimSection
 from hpctrain.errors import UserError
 from hpctrain.experiments.digits.experiment import DigitsExperiment, DigitsOptions
 from hpctrain.train.optim import build_optimizer, build_scheduler, lr_factor
-from hpctrain.train.resume_settings import apply_hyperparameters, changed_lines, hyperparameters, refuse_fixed_changes
+from hpctrain.train.resume_settings import (
+    apply_hyperparameters, changed_lines, changed_since, hyperparameters, refuse_fixed_changes,
+)
 
 SAVED = OptimSection(lr=0.003, betas=(0.9, 0.999), weight_decay=0.01, warmup_steps=2, schedule="linear")
 
@@ -89,11 +91,14 @@ def test_a_changed_optimizer_is_refused_naming_the_key(tmp_path: Path):
     assert "optim.name=adamw" in raised.value.hint
 
 
-def test_the_log_says_each_changed_key_and_the_step():
+def test_the_log_says_each_changed_key_and_the_step(tmp_path: Path):
     before, after = config_to_toml(_config()), config_to_toml(_config("optim.lr=0.1", "optim.schedule=constant"))
     lines = changed_lines(before, after, step=10)
     assert "optim.lr: 0.003 -> 0.1 from step 10" in lines
     assert "optim.schedule: 'cosine' -> 'constant' from step 10" in lines and len(lines) == 2
+    assert changed_since(tmp_path, after, step=10) == []  # no config.toml to compare with: nothing to say
+    (tmp_path / "config.toml").write_text(before)
+    assert changed_since(tmp_path, after, step=10) == lines
 
 
 def test_the_open_log_window_is_part_of_the_train_state():

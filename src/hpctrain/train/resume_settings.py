@@ -76,5 +76,15 @@ def changed_lines(saved_text: str, config_text: str, step: int) -> list[str]:
             for key, then, now in flat_differences(saved_text, config_text)]
 
 
+def changed_since(checkpoint: Path, config_text: str, step: int) -> list[str]:
+    """changed_lines against the checkpoint's config.toml; none when it cannot be read (the log line is a courtesy,
+    not a reason to stop a resume)."""
+    try:
+        saved = (checkpoint / "config.toml").read_text(encoding="utf-8")
+    except OSError:
+        return []
+    return changed_lines(saved, config_text, step)
+
+
 def _show(value: Any) -> str:
     return "(unset)" if value is None else repr(value) if isinstance(value, str) else str(value)

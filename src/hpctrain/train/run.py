@@ -47,7 +47,7 @@ from hpctrain.train.compile_cache import CompileCache, node_copy_removed
 from hpctrain.train.step import build_step, choose_step_mode, release_step
 from hpctrain.train.precision import resolve_precision
 from hpctrain.train.rng import restore_rng, seed_everything, seed_rank_streams
-from hpctrain.train.resume_settings import apply_hyperparameters, changed_lines, hyperparameters
+from hpctrain.train.resume_settings import apply_hyperparameters, changed_since, hyperparameters
 from hpctrain.train.rundir import prepare_run_dir, set_aside_records, write_config
 from hpctrain.train.state import TrainState, continue_with_batch
 
@@ -416,8 +416,7 @@ def _announce(ctx: TrainContext, resumed, layout: str) -> None:
             "resumed from %s at step %d (epoch %d, step %d of it), saved by %d process(es)",
             resumed.path, ctx.state.step, ctx.state.epoch, ctx.state.step_in_epoch, resumed.saved_world_size,
         )
-        saved = (resumed.path / "config.toml").read_text(encoding="utf-8")  # verified by its manifest
-        for line in changed_lines(saved, ctx.checkpointer.config_text, ctx.state.step):
+        for line in changed_since(resumed.path, ctx.checkpointer.config_text, ctx.state.step):
             log.info("setting changed since the checkpoint: %s", line)
     if ctx.state.step >= ctx.total_steps:
         log.info("the run is already complete at step %d; raise train.max_steps or train.epochs to go on", ctx.state.step)
