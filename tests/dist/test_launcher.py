@@ -265,3 +265,20 @@ def test_ctrl_c_on_one_process_with_loader_workers_saves_and_resumes(tmp_path: P
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         kill_leftovers(processes_mentioning(str(run_dir)))
+
+
+def test_sighup_to_a_single_process_stops_it_with_a_checkpoint(tmp_path: Path):
+    """No launcher: the process that receives SIGHUP (a dropped SSH session) or SIGUSR1 stops as on SIGTERM."""
+    run_dir = tmp_path / "run"
+    proc = start_long_run(run_dir, nproc=1)
+    try:
+        wait_for_training(proc, run_dir)
+        proc.send_signal(signal.SIGHUP)
+        code = proc.wait(timeout=60)
+        output = proc.stdout.read()
+        assert code == 75 and "stopped by SIGHUP" in output, output
+        assert len(list((run_dir / "checkpoints").glob("step_*"))) == 1
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        kill_leftovers(processes_mentioning(str(run_dir)))
