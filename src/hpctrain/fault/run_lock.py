@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
@@ -150,8 +150,8 @@ class RunLock:
         while not self._stop.wait(BEAT_S):
             try:
                 if not self._still_mine():
-                    log.warning("run dir lock %s was taken over by another process; this run stops beating it",
-                                self.path)
+                    log.warning("run dir lock %s was removed or taken over by another process; this run stops "
+                                "beating it", self.path)
                     return
                 self.owner = _write_over(self.path, _with_beat(self.owner))
             except OSError as err:  # a flaky mount: the next beat tries again, and STALE_S allows ten misses
@@ -173,7 +173,7 @@ class RunLock:
 
 
 def _with_beat(owner: Owner) -> Owner:
-    return Owner(**(asdict(owner) | {"beat": time.time()}))
+    return replace(owner, beat=time.time())
 
 
 def _tmp_with(path: Path, owner: Owner) -> Path:
@@ -183,7 +183,11 @@ def _tmp_with(path: Path, owner: Owner) -> Path:
 
 
 def _write_over(path: Path, owner: Owner) -> Owner:
-    os.replace(_tmp_with(path, owner), path)
+    tmp = _tmp_with(path, owner)
+    try:
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # only there when the rename failed
     return owner
 
 
