@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -165,10 +166,13 @@ def test_a_killed_runs_folder_is_removed_by_the_next_run_on_the_node(tmp_path, n
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     killed = cc.node_folder(key, tmp_path / "killed") / "rank0"
-    _fill(killed, {cc.OWNER: f"{dead.pid} 1@boot".encode(), "fxgraph/ab/entry": b"graph"})
+    host = socket.gethostname()
+    _fill(killed, {cc.OWNER: f"{dead.pid} 1@boot {host}".encode(), "fxgraph/ab/entry": b"graph"})
     live = cc.node_folder(key, tmp_path / "live") / "rank1"
-    _fill(live, {cc.OWNER: f"{os.getpid()} {cc.process_start(os.getpid())}".encode()})
+    _fill(live, {cc.OWNER: f"{os.getpid()} {cc.process_start(os.getpid())} {host}".encode()})
+    elsewhere = cc.node_folder(key, tmp_path / "elsewhere") / "rank0"  # a $TMPDIR that another node shares
+    _fill(elsewhere, {cc.OWNER: f"{dead.pid} 1@boot node7".encode()})
     old = cc.node_folder(key, tmp_path / "old-hpctrain") / "rank0"  # no owner file: not ours to judge
     _fill(old, {"fxgraph/ab/entry": b"graph"})
     with cc.node_copy_removed(tmp_path / "run", CPU, 0, compiled=True):
-        assert not killed.parent.exists() and live.is_dir() and old.is_dir()
+        assert not killed.parent.exists() and live.is_dir() and old.is_dir() and elsewhere.is_dir()

@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import tarfile
 import tempfile
 from pathlib import Path
@@ -179,12 +180,12 @@ def node_copy_removed(run_dir: Path, device: torch.device, local_rank: int, comp
 
 
 OWNER = ".owner"
-"""In each rank's node-local folder: '<pid> <start>' of the process that uses it, for prune_dead_runs."""
+"""In each rank's node-local folder: '<pid> <start> <host>' of the process that uses it, for prune_dead_runs."""
 
 
 def _claim(folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / OWNER).write_text(f"{os.getpid()} {process_start(os.getpid())}")
+    (folder / OWNER).write_text(f"{os.getpid()} {process_start(os.getpid())} {socket.gethostname()}")
 
 
 def prune_dead_runs(keep: Path) -> None:
@@ -195,10 +196,11 @@ def prune_dead_runs(keep: Path) -> None:
         if folder.parent == keep:
             continue
         try:
-            pid, _, started = owner.read_text().partition(" ")
-            if not started or process_start(int(pid)) == started:  # alive, or no /proc to tell
+            pid, started, host = owner.read_text().split()
+            # Alive; or another host's (a $TMPDIR shared by nodes: its pids are not ours to look up).
+            if process_start(int(pid)) == started or host != socket.gethostname():
                 continue
-        except (OSError, ValueError):
+        except (OSError, ValueError):  # no /proc here (no start to write), or not our format: left alone
             continue
         shutil.rmtree(folder, ignore_errors=True)
         with contextlib.suppress(OSError):
