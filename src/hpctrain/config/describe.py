@@ -15,8 +15,8 @@ def toml_value(value: object) -> str:
 
     if value is None:
         return '""'
-    if isinstance(value, tuple):
-        value = list(value)
+    if isinstance(value, (tuple, list)):  # on one line: tomli_w writes an array one item a line
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     return tomli_w.dumps({"v": value}).split("=", 1)[1].strip()
 
 
@@ -28,7 +28,8 @@ def describe_keys(cfg: RunConfig) -> str:
         lines.append(f"[{section}]")
         for f in dataclasses.fields(cls):
             value = getattr(getattr(cfg, section), f.name)
-            lines.append(f"  {section}.{f.name} = {toml_value(value)}  ({_describe(hints[f.name])})")
+            key = f"{section}.{f.name}"
+            lines.append(f"  {key} = {toml_value(value)}  ({_describe(hints[f.name], key)})")
             lines.append(f"      {docs.get(f.name, '')}")
         lines.append("")
     return "\n".join(lines)

@@ -18,6 +18,7 @@ from typing import Any, Literal, Mapping
 
 import tomli_w
 
+from hpctrain.config.examples import list_example
 from hpctrain.config.schema import SECTIONS, RunConfig
 from hpctrain.config.validate import ConfigError
 from hpctrain.errors import UserError, did_you_mean
@@ -138,7 +139,7 @@ def _coerce(key: str, typ: Any, item: _Value) -> Any:
     if not ok:
         shown = item.raw if item.raw is not None else repr(value)
         raise ConfigError(
-            f"config key '{key}' expects {_describe(typ)}, got {shown} (from {item.source})",
+            f"config key '{key}' expects {_describe(typ, key)}, got {shown} (from {item.source})",
             DESCRIBE_HINT,
         )
     return converted
@@ -178,15 +179,12 @@ def _check(typ: Any, value: Any) -> tuple[bool, Any]:
     raise TypeError(f"unsupported config field type {typ!r}")  # a schema bug, not user input
 
 
-def _describe(typ: Any) -> str:
+def _describe(typ: Any, key: str = "") -> str:
     origin = typing.get_origin(typ)
     if origin is Literal:  # as TOML spells them: true, not True
         return "one of " + ", ".join(_toml_literal(a) for a in typing.get_args(typ))
     if origin is tuple:
-        args = typing.get_args(typ)
-        if len(args) == 2 and args[1] is Ellipsis:
-            return "a list such as ['failure', 'hang']"
-        return f"a list of {len(args)} values such as [0.9, 0.999]"
+        return list_example(key, typ)
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[typ]
 
 
