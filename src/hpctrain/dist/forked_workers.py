@@ -24,7 +24,7 @@ user code (quiet_launcher: no team is ever started, the import's own ops run ser
 as a new Python would, and right before the launch the launcher checks that nothing since has started native threads
 or raised its thread count (user code calling torch.set_num_threads, a library's own pool): then every worker starts
 as a new Python and the launcher says why, once. Threads that were there before (numpy's OpenBLAS server, which
-stops itself around a fork) and those torchrun starts during the launch (its store's) are not user code's.
+stops itself around a fork: its pthread_atfork handler, checked here) and those torchrun starts during the launch (its store's) are not user code's.
 """
 
 from __future__ import annotations
@@ -121,8 +121,8 @@ def forked_workers(enabled: bool, entry: Callable[[], Any], preimport: Sequence[
         importlib.import_module(name)
     refusal = thread_refusal(threads) if threads is not None else None
     if refusal:
-        print(f"hpctrain: the workers start as new Pythons, not as forks of the launcher: {refusal}, and a fork "
-              "would inherit them without their threads and hang at its first parallel op", file=sys.stderr)
+        print(f"hpctrain: the workers start as new Pythons, not as forks of the launcher: {refusal}; a fork could "
+              "inherit an OpenMP team without its threads and hang at its first parallel op", file=sys.stderr)
         yield False
         return
     intra_op = threads.intra_op if threads is not None else 0
