@@ -29,3 +29,16 @@ def test_steps_per_epoch_drops_the_last_partial_batch():
     assert steps_per_epoch(1450, 100) == 14
     with pytest.raises(UserError, match="fewer than one global batch"):
         steps_per_epoch(50, 100)
+
+
+def test_a_micro_batch_that_does_not_divide_lists_the_valid_sizes_on_one_process_too():
+    """The config's own check (before the number of processes is known) fires first on 1 process: its hint lists
+    the values as the N-process error does."""
+    from hpctrain.config import load_config
+    from hpctrain.experiments.digits import DigitsExperiment, DigitsOptions
+
+    with pytest.raises(UserError) as err:
+        load_config("digits", DigitsOptions, experiment_defaults=DigitsExperiment.defaults,
+                    overrides=["train.micro_batch_size=30"])  # global batch 100
+    assert "valid train.micro_batch_size values for 1 process: 1, 2, 4, 5, 10, 20, 25, 50, 100" in err.value.hint
+    assert "100/N" in err.value.hint

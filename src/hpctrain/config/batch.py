@@ -48,13 +48,22 @@ def plan_batches(global_batch_size: int, micro_batch_size: int, world_size: int)
         )
     per_rank = global_batch_size // world_size
     if per_rank % micro_batch_size:
-        choices = valid_micro_batch_sizes(global_batch_size, world_size)
         raise UserError(
             f"train.micro_batch_size={micro_batch_size} does not divide the {per_rank} samples each of "
-            f"{world_size} processes takes per step (train.global_batch_size={global_batch_size})",
-            f"valid train.micro_batch_size values for {world_size} processes: {_short_list(choices)}.",
+            f"{_processes(world_size)} takes per step (train.global_batch_size={global_batch_size})",
+            micro_batch_hint(global_batch_size, world_size) + ".",
         )
     return BatchPlan(global_batch_size, micro_batch_size, world_size, per_rank // micro_batch_size)
+
+
+def micro_batch_hint(global_batch_size: int, world_size: int = 1) -> str:
+    """The valid train.micro_batch_size values, for every error about one: 1 process as N (README "Batch sizes")."""
+    choices = valid_micro_batch_sizes(global_batch_size, world_size)
+    return f"valid train.micro_batch_size values for {_processes(world_size)}: {_short_list(choices)}"
+
+
+def _processes(n: int) -> str:
+    return "1 process" if n == 1 else f"{n} processes"
 
 
 def steps_per_epoch(num_samples: int, global_batch_size: int) -> int:

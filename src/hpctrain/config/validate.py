@@ -6,6 +6,7 @@ import dataclasses
 import re
 from typing import TYPE_CHECKING
 
+from hpctrain.config.batch import micro_batch_hint
 from hpctrain.dist.env import ALERT_WEBHOOK
 from hpctrain.errors import UserError
 
@@ -35,7 +36,8 @@ def validate(cfg: RunConfig) -> None:
         t.global_batch_size % t.micro_batch_size == 0,
         "train.global_batch_size",
         f"{t.global_batch_size} is not a multiple of train.micro_batch_size={t.micro_batch_size}",
-        "make the global batch a multiple of the micro batch.",
+        f"{micro_batch_hint(t.global_batch_size)} (for N processes: those that divide {t.global_batch_size}/N); or "
+        f"make train.global_batch_size a multiple of {t.micro_batch_size}.",
     )
     _require(t.max_steps >= 0, "train.max_steps", "must be >= 0 (0 means: use train.epochs)")
     _require(t.epochs > 0 or t.max_steps > 0, "train.epochs", "must be positive when train.max_steps is 0")
