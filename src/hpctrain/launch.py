@@ -214,7 +214,7 @@ def report(err: ChildFailedError, cfg=None) -> int:
     if _Interrupts.count and stopped and all(f.exitcode in interrupted or is_consequence(f) for f in failures):
         saved = "" if _Interrupts.count > 1 else " at a step boundary with a checkpoint"
         killed = sum(f.exitcode == -signal.SIGKILL for f in failures)
-        late = f" ({killed} killed, still running {INTERRUPT_GRACE_S} s after the second press)" if killed else ""
+        late = f"; {killed} still running {INTERRUPT_GRACE_S} s after the second press were killed" if killed else ""
         print(f"hpctrain: interrupted (Ctrl-C): all {len(err.failures)} workers stopped{saved}{late}; the same command "
               "resumes from the last checkpoint", file=sys.stderr)
         return INTERRUPTED

@@ -202,7 +202,7 @@ def test_after_a_second_ctrl_c_the_launchers_own_kill_is_the_interrupt_not_a_fai
     monkeypatch.setattr(launch._Interrupts, "count", 2)
     monkeypatch.setattr(launch._Interrupts, "killed", True)
     assert launch.report(err) == launch.INTERRUPTED
-    assert "all 2 workers stopped (2 killed, still running" in capsys.readouterr().err
+    assert "all 2 workers stopped; 2 still running 10 s after the second press were killed;" in capsys.readouterr().err
     monkeypatch.setattr(launch._Interrupts, "killed", False)  # killed by someone else: a failure
     assert launch.report(err) == 137 and "failed first" in capsys.readouterr().err
 
