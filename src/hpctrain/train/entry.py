@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from hpctrain.fault.alerts import resolve_webhook
 from hpctrain.fault.error_file import record_errors
 from hpctrain.logs import setup_logging
 from hpctrain.train.layout import Layout, resolve_layout
-from hpctrain.train.rundir import ensure_writable
+from hpctrain.train.rundir import ensure_writable, removed_if_left_empty
 from hpctrain.train.resume_settings import refuse_fixed_changes
 from hpctrain.train.state import continue_with_batch, read_state
 
@@ -112,16 +113,20 @@ def train_command(req: TrainRequest) -> int:
     # the forked workers would inherit without its threads (dist/forked_workers).
     threads = quiet_launcher() if local else None
     cls, cfg = resolve_request(req)
-    if local:
-        setup_logging(debug=req.debug)
-        preflight(cfg, req.nproc_per_node, req.command)
-        log.info("starting %d processes with torchrun", req.nproc_per_node)
-        from hpctrain.launch import launch_local
+    # The user's own command, not a rank that torchrun or srun started: a run dir it creates and leaves empty goes.
+    with removed_if_left_empty(Path(cfg.run_dir)) if launch.launcher == "single" else contextlib.nullcontext():
+        return _launch_local(cfg, req, threads) if local else _train_here(cls, cfg, launch, req)
 
-        # The config makes the failure alert and the "resume me" exit; sample is not the run's training.
-        return launch_local(req.nproc_per_node, req.module_args(), cfg if req.command in ("train", "eval") else None,
-                            threads)
-    return _train_here(cls, cfg, launch, req)
+
+def _launch_local(cfg: RunConfig, req: TrainRequest, threads) -> int:
+    setup_logging(debug=req.debug)
+    preflight(cfg, req.nproc_per_node, req.command)
+    log.info("starting %d processes with torchrun", req.nproc_per_node)
+    from hpctrain.launch import launch_local
+
+    # The config makes the failure alert and the "resume me" exit; sample is not the run's training.
+    return launch_local(req.nproc_per_node, req.module_args(), cfg if req.command in ("train", "eval") else None,
+                        threads)
 
 
 def unstaged(cfg: RunConfig) -> RunConfig:

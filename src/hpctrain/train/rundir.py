@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import uuid
 from pathlib import Path
+from typing import Iterator
 
 from hpctrain.atomic import atomic_write_text
 from hpctrain.errors import UserError
@@ -25,6 +27,26 @@ def ensure_writable(run_dir: Path) -> None:
             f"run directory '{run_dir}' is not writable: {err.strerror or err}",
             "choose another run.dir (it must be on a file system every node can write), or fix its permissions.",
         ) from None
+
+
+@contextlib.contextmanager
+def removed_if_left_empty(run_dir: Path) -> Iterator[None]:
+    """The folders of ``run_dir`` that do not exist yet, removed again if the launch leaves them empty: a run that
+    failed before writing anything (a bad [model] option, found when the experiment is built) leaves no empty run
+    dir behind. rmdir removes empty folders only: one that existed before, or holds anything, stays."""
+    created = []
+    for path in (run_dir, *run_dir.parents):
+        if path.exists():
+            break
+        created.append(path)
+    try:
+        yield
+    finally:
+        for path in created:  # deepest first
+            try:
+                path.rmdir()
+            except OSError:  # not empty (the run wrote there), or gone: keep what is left
+                break
 
 
 def write_config(run_dir: Path, config_text: str) -> None:
