@@ -87,7 +87,7 @@ def pack(obj: Any) -> Packed | None:
     packer.dump(obj)
     if len(packer.storages) <= PACK_ABOVE:
         return None
-    block = torch.empty(packer.size, dtype=torch.uint8).share_memory_()
+    block = torch.empty(max(packer.size, 1), dtype=torch.uint8).share_memory_()  # an empty one cannot be mapped
     for storage, offset in packer.storages:
         block[offset:offset + storage.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
     return buffer.getvalue(), block, packer.views
