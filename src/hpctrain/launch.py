@@ -12,7 +12,8 @@ rendezvous). What we change, measured on torch 2.14:
   stop at a step boundary, save, and exit with fault.exit_code (each of these is a stop
   signal in a worker: fault/signals.FORWARDED_STOPS), which we pass on. SIGINT (Ctrl-C)
   too: the workers stop at the next step boundary with a checkpoint and exit 130; a
-  second SIGINT stops them at once (SIGKILL after INTERRUPT_GRACE_S). torchrun's own
+  second SIGINT stops them at once (SIGKILL after INTERRUPT_GRACE_S: still the interrupt, 130). Workers still
+  running TERM_GRACE_S after a forwarded SIGTERM are killed too: a failure (137, its own line). torchrun's own
   handling (SIGTERM to the workers, then a SignalException traceback and exit 1)
   threw the work since the last checkpoint away. SIGQUIT keeps torchrun's behaviour.
 - Failures. Its ChildFailedError traceback and boxed summary bury the workers' own
@@ -83,13 +84,42 @@ def worker_pids() -> list[int]:
 TERM_GRACE_S = 120
 
 
-def _kill_children(signum: int = signal.SIGKILL, _frame=None) -> None:
-    _Interrupts.killed = True  # the workers' SIGKILL is then ours, not a failure, after a second Ctrl-C
+def _kill_workers() -> frozenset[int]:
+    """SIGKILL to every worker still running; the pids it reached (a worker's SIGKILL is ours only if its pid is
+    among them: the OOM killer's is not, even while torchrun has yet to reap it)."""
+    killed = set()
     for child in worker_pids():
+        if _process_state(child) in ("", "Z"):
+            continue
         try:
             os.kill(child, signal.SIGKILL)
+            killed.add(child)
         except ProcessLookupError:
             pass
+    return frozenset(killed)
+
+
+def _process_state(pid: int) -> str:
+    """The process state letter (Z: dead, not yet reaped), '' when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def _kill_after_stop(_signum: int = signal.SIGALRM, _frame=None) -> None:
+    """TERM_GRACE_S after a forwarded SIGTERM: the workers did not stop (a failure, said as such in report)."""
+    _StopGrace.killed |= _kill_workers()
+
+
+def _kill_after_interrupt(_signum: int = signal.SIGALRM, _frame=None) -> None:
+    """INTERRUPT_GRACE_S after the second Ctrl-C: the user's interrupt (130), not a failure."""
+    _Interrupts.killed |= _kill_workers()
+
+
+class _StopGrace:
+    killed: frozenset[int] = frozenset()
+    """Workers the launcher SIGKILLed because they were still running TERM_GRACE_S after a forwarded SIGTERM."""
 
 
 # After a second Ctrl-C the workers get this long to leave (their KeyboardInterrupt), then SIGKILL.
@@ -104,15 +134,21 @@ def _forward(signum: int, _frame) -> None:
         except ProcessLookupError:
             pass
     if signum == signal.SIGTERM:
-        _kill_children_in(TERM_GRACE_S)
+        _kill_children_in(TERM_GRACE_S, _kill_after_stop)
 
 
-def _kill_children_in(seconds: int) -> None:
-    """SIGKILL to the workers ``seconds`` from now, or sooner if already due sooner (a later signal never gives a
-    stuck worker more time)."""
-    signal.signal(signal.SIGALRM, _kill_children)
+def _kill_children_in(seconds: int, killer=_kill_after_interrupt) -> None:
+    """SIGKILL to the workers ``seconds`` from now by ``killer`` (which records why), or sooner if already due sooner
+    (a later signal never gives a stuck worker more time); the kill due first keeps its reason."""
     left = signal.alarm(0)
-    signal.alarm(min(left, seconds) if left else seconds)
+    if left and left <= seconds and signal.getsignal(signal.SIGALRM) in KILLERS:
+        signal.alarm(left)
+        return
+    signal.signal(signal.SIGALRM, killer)
+    signal.alarm(seconds)
+
+
+KILLERS = (_kill_after_stop, _kill_after_interrupt)
 
 
 class _Interrupts:
@@ -122,8 +158,8 @@ class _Interrupts:
 
     count = 0
     first_at = 0.0
-    killed = False
-    """The launcher SIGKILLed the workers still there after a grace (second Ctrl-C, or SIGTERM's)."""
+    killed: frozenset[int] = frozenset()
+    """Workers the launcher SIGKILLed INTERRUPT_GRACE_S after the second press (_kill_after_interrupt)."""
 
     @classmethod
     def handle(cls, signum: int, frame) -> None:
@@ -209,11 +245,26 @@ def report(err: ChildFailedError, cfg=None) -> int:
     # before its own KeyboardInterrupt is raised: still the interrupt, not a failure.
     interrupted = {INTERRUPTED, -signal.SIGINT, -signal.SIGKILL, -signal.SIGTERM}
     failures = err.failures.values()
+    stuck = [r for r, f in sorted(err.failures.items()) if f.exitcode == -signal.SIGKILL and f.pid in _StopGrace.killed]
+    if stuck:
+        # A forwarded SIGTERM (a preemption) that the workers did not act on in TERM_GRACE_S: a failure, Ctrl-C or not.
+        ranks = ", ".join(map(str, stuck))
+        others = ", ".join(f"rank {r} {describe_exit(f.exitcode)}" for r, f in sorted(err.failures.items())
+                           if r not in stuck)
+        print(f"hpctrain: worker rank{'s' if len(stuck) > 1 else ''} {ranks} did not stop within {TERM_GRACE_S} s "
+              f"after the stop signal (SIGTERM) and {'were' if len(stuck) > 1 else 'was'} killed (SIGKILL)"
+              + (f"; {others}" if others else "") + "; the workers' messages are above; a resume starts from the "
+              "run's last complete checkpoint", file=sys.stderr)
+        if cfg is not None:
+            _alert_failure(cfg, stuck[0], exit_code(-signal.SIGKILL),
+                           f"did not stop within {TERM_GRACE_S} s after SIGTERM, killed", "")
+        return exit_code(-signal.SIGKILL)
     # A worker stuck in C code never runs its handler: the launcher's SIGKILL after the second press ends it.
-    stopped = _Interrupts.killed or any(f.exitcode in (INTERRUPTED, -signal.SIGINT) for f in failures)
+    killed = sum(f.exitcode == -signal.SIGKILL and f.pid in _Interrupts.killed for f in failures)
+    killed = killed if _Interrupts.count >= 2 else 0
+    stopped = killed or any(f.exitcode in (INTERRUPTED, -signal.SIGINT) for f in failures)
     if _Interrupts.count and stopped and all(f.exitcode in interrupted or is_consequence(f) for f in failures):
         saved = "" if _Interrupts.count > 1 else " at a step boundary with a checkpoint"
-        killed = sum(f.exitcode == -signal.SIGKILL for f in failures)
         late = f"; {killed} still running {INTERRUPT_GRACE_S} s after the second press were killed" if killed else ""
         print(f"hpctrain: interrupted (Ctrl-C): all {len(err.failures)} workers stopped{saved}{late}; the same command "
               "resumes from the last checkpoint", file=sys.stderr)
@@ -276,7 +327,8 @@ def main(argv: list[str] | None = None, cfg=None, threads: LauncherThreads | Non
         # torchrun's default is a new /tmp/torchelastic_* folder per launch that nothing removes; this one goes
         # with error_dir when the launch ends
         argv.insert(0, f"--log-dir={os.path.join(error_dir, 'torchelastic')}")
-    _Interrupts.count, _Interrupts.first_at, _Interrupts.killed = 0, 0.0, False  # a launch's presses are its own
+    # a launch's presses and kills are its own
+    _Interrupts.count, _Interrupts.first_at, _Interrupts.killed, _StopGrace.killed = 0, 0.0, frozenset(), frozenset()
     _warn_oversubscription(argv)
     quiet = CleanStopLines(frozenset({INTERRUPTED, cfg.fault.exit_code if cfg is not None else DEFAULT_EXIT_CODE}))
     TORCHRUN_LOG.addFilter(quiet)
@@ -342,7 +394,7 @@ def _restore_handlers(previous: dict) -> None:
     for sig, handler in previous.items():
         if sig != signal.SIGALRM:
             signal.signal(sig, handler)
-    if signal.getsignal(signal.SIGALRM) is _kill_children:
+    if signal.getsignal(signal.SIGALRM) in KILLERS:
         signal.alarm(0)
     signal.signal(signal.SIGALRM, previous[signal.SIGALRM])
 

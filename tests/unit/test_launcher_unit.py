@@ -1,5 +1,7 @@
 import sys
 
+import pytest
+
 from hpctrain.dist.launcher import torchrun_args
 from hpctrain.launch import exit_code
 from hpctrain.train.entry import TrainRequest
@@ -165,28 +167,37 @@ def test_a_worker_gets_sigterm_when_its_launcher_is_killed(tmp_path):
 
 def test_a_forwarded_stop_signal_reaches_the_workers_not_the_node_monitors(tmp_path, monkeypatch):
     """top exits on SIGUSR2: monitoring would stop exactly when the final checkpoint is written."""
+    import shutil
     import signal
     import subprocess
     import time
 
     from hpctrain import launch
-    from hpctrain.monitor.sidecars import node_monitors
+    from hpctrain.monitor.sidecars import node_monitors, running_monitors
 
+    if shutil.which("top") is None:
+        pytest.skip("top is not installed here: no node monitor to keep running")
     monkeypatch.setenv("HPCTRAIN_MONITOR_DIR", str(tmp_path))
     monkeypatch.setenv("HPCTRAIN_MONITOR_EVERY", "1")
     worker = subprocess.Popen(["sleep", "60"])  # a stand-in for a worker: SIGUSR2's default action ends it
+    bystander = subprocess.Popen(["sleep", "60"])  # pytest's other child: not the launcher's to signal
     try:
         with node_monitors() as paths:
-            assert paths, "top is not installed here"
-            monitors = [p for p in launch.child_pids() if p != worker.pid]
+            monitors = sorted(running_monitors())
+            assert paths and monitors, f"top is installed but node_monitors started no monitor: {paths}"
+            # The launcher's children are the worker and the monitors: pytest's own (an xdist worker's, a
+            # fixture's server) must not get the signal, so the children the launcher sees are these only.
+            monkeypatch.setattr(launch, "child_pids", lambda pid=None: [worker.pid, *monitors])
             launch._forward(signal.SIGUSR2, None)
             assert worker.wait(timeout=10) == -signal.SIGUSR2
             time.sleep(0.5)
-            assert monitors and all(_state(p) not in ("", "Z") for p in monitors)  # still running
+            assert monitors and all(launch._process_state(p) not in ("", "Z") for p in monitors)  # still running
+            assert bystander.poll() is None
     finally:
-        if worker.poll() is None:
-            worker.kill()
-            worker.wait()
+        for proc in (worker, bystander):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def test_after_a_second_ctrl_c_the_launchers_own_kill_is_the_interrupt_not_a_failure(monkeypatch, capsys):
@@ -200,11 +211,79 @@ def test_after_a_second_ctrl_c_the_launchers_own_kill_is_the_interrupt_not_a_fai
     err = SimpleNamespace(failures={r: SimpleNamespace(timestamp=1, exitcode=-signal.SIGKILL, message="", local_rank=r,
                                                        pid=7 + r) for r in (0, 1)})
     monkeypatch.setattr(launch._Interrupts, "count", 2)
-    monkeypatch.setattr(launch._Interrupts, "killed", True)
+    monkeypatch.setattr(launch._Interrupts, "killed", frozenset({7, 8}))
     assert launch.report(err) == launch.INTERRUPTED
     assert "all 2 workers stopped; 2 still running 10 s after the second press were killed;" in capsys.readouterr().err
-    monkeypatch.setattr(launch._Interrupts, "killed", False)  # killed by someone else: a failure
+    monkeypatch.setattr(launch._Interrupts, "killed", frozenset())  # killed by someone else: a failure
     assert launch.report(err) == 137 and "failed first" in capsys.readouterr().err
+
+
+KILLS = """
+import os, signal, subprocess, sys, time
+from types import SimpleNamespace
+from hpctrain import launch
+from hpctrain.fault.signals import SAME_PRESS_S
+
+signal.signal(signal.SIGTERM, launch._forward)  # as launch.main installs them
+signal.signal(signal.SIGINT, launch._Interrupts.handle)
+
+
+def stuck():
+    # a worker stuck in C code: the stop signal and Ctrl-C do nothing to it (set before its exec: no race)
+    return subprocess.Popen(["sleep", "60"], preexec_fn=lambda: [signal.signal(s, signal.SIG_IGN)
+                                                                 for s in (signal.SIGTERM, signal.SIGINT)])
+
+
+def scenario(name, signals, term_grace, interrupt_grace, oom_killed=False):
+    launch.TERM_GRACE_S, launch.INTERRUPT_GRACE_S = term_grace, interrupt_grace
+    launch._Interrupts.count, launch._Interrupts.first_at = 0, 0.0
+    launch._Interrupts.killed = launch._StopGrace.killed = frozenset()
+    workers = [stuck(), stuck()]
+    for sig in signals:
+        os.kill(os.getpid(), sig)
+        time.sleep(SAME_PRESS_S + 0.3)  # another press, not the same one
+    if oom_killed:
+        os.kill(workers[0].pid, signal.SIGKILL)  # not the launcher's kill (the OOM killer's, say)
+    for worker in workers:
+        worker.wait(timeout=60)
+    signal.alarm(0)
+    err = SimpleNamespace(failures={r: SimpleNamespace(timestamp=1, exitcode=w.returncode, message="", local_rank=r,
+                                                       pid=w.pid) for r, w in enumerate(workers)})
+    print(f"== {name}", file=sys.stderr, flush=True)
+    print(f"exit {launch.report(err)}", file=sys.stderr, flush=True)
+
+
+scenario("preempted", [signal.SIGTERM, signal.SIGINT], term_grace=4, interrupt_grace=1)
+scenario("interrupted", [signal.SIGINT, signal.SIGINT], term_grace=30, interrupt_grace=2)
+scenario("preempted, then interrupted", [signal.SIGTERM, signal.SIGINT, signal.SIGINT], term_grace=30,
+         interrupt_grace=2)
+scenario("one killed by another", [signal.SIGINT, signal.SIGINT], term_grace=30, interrupt_grace=3, oom_killed=True)
+"""
+
+
+def test_workers_killed_by_the_stop_signals_grace_are_a_failure_not_a_ctrl_c(tmp_path):
+    """A preemption (SIGTERM) whose workers hang, plus one Ctrl-C meanwhile: the launcher's SIGKILL after
+    TERM_GRACE_S is said as such and fails the run (137), not 'interrupted (Ctrl-C) ... with a checkpoint ... after
+    the second press' with 130. The interrupt's own kill keeps its line; a worker killed by someone else is not
+    counted as the launcher's. In a child Python: real signals, an alarm and child processes of its own."""
+    import subprocess
+
+    script = tmp_path / "kills.py"
+    script.write_text(KILLS)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr
+    said = dict(part.split("\n", 1) for part in result.stderr.split("== ")[1:])
+    assert said.keys() == {"preempted", "interrupted", "preempted, then interrupted", "one killed by another"}, said
+    preempted = said["preempted"]
+    assert "worker ranks 0, 1 did not stop within 4 s after the stop signal (SIGTERM) and were killed" in preempted
+    assert "interrupted" not in preempted and "exit 137" in preempted, preempted
+    interrupted = said["interrupted"]
+    assert "all 2 workers stopped; 2 still running 2 s after the second press were killed" in interrupted
+    assert "exit 130" in interrupted, interrupted
+    both = said["preempted, then interrupted"]  # the second press's kill came first: the user's interrupt
+    assert "2 still running 2 s after the second press were killed" in both and "exit 130" in both, both
+    oom = said["one killed by another"]
+    assert "all 2 workers stopped; 1 still running 3 s after the second press were killed" in oom, oom
 
 
 def test_oversubscribed_threads_are_said_with_what_to_set():
@@ -231,13 +310,3 @@ def test_torchruns_error_line_is_dropped_for_clean_stop_codes_only():
     assert not quiet.filter(line(75)) and not quiet.filter(line(130))
     assert quiet.filter(line(1)) and quiet.filter(line(-9)) and quiet.filter(line(2))
     assert quiet.filter(logging.LogRecord("torch", logging.WARNING, "x", 1, "other %s", (75,), None))
-
-
-def _state(pid: int) -> str:
-    """The process state letter (Z: dead, not yet reaped), '' when it is gone."""
-    from pathlib import Path
-
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
