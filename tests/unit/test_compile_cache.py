@@ -176,3 +176,31 @@ def test_a_killed_runs_folder_is_removed_by_the_next_run_on_the_node(tmp_path, n
     _fill(old, {"fxgraph/ab/entry": b"graph"})
     with cc.node_copy_removed(tmp_path / "run", CPU, 0, compiled=True):
         assert not killed.parent.exists() and live.is_dir() and old.is_dir() and elsewhere.is_dir()
+
+
+def test_nodes_that_share_a_tmpdir_keep_their_folders_apart(tmp_path, node, monkeypatch):
+    """Local rank 0 of two nodes, one run dir, one $TMPDIR on a shared file system: each node its own folder (its
+    owner file stays its own), and the first node to finish does not remove the folder the other still uses."""
+    run = tmp_path / "run"
+    node("shared")
+    monkeypatch.setattr(socket, "gethostname", lambda: "node1")
+    with cc.node_copy_removed(run, CPU, 0, compiled=True):
+        first = cc.CompileCache(run, CPU, is_main=True)
+        first.load()
+        _fill(first.local, {"fxgraph/ab/entry": b"node1's graph"})
+        monkeypatch.setattr(socket, "gethostname", lambda: "node2")
+        with cc.node_copy_removed(run, CPU, 0, compiled=True):
+            second = cc.CompileCache(run, CPU, is_main=False)
+            second.load()
+            assert second.local != first.local
+            _fill(second.local, {"fxgraph/cd/entry": b"node2's graph"})
+        assert not second.node.exists()  # node2 ended: its own folder went
+        assert (first.local / "fxgraph/ab/entry").read_bytes() == b"node1's graph"
+        assert "node1" in (first.local / cc.OWNER).read_text()
+        monkeypatch.setattr(socket, "gethostname", lambda: "node1")
+        first.save()
+    assert not first.node.exists() and first.path.is_file()
+    import tarfile
+
+    with tarfile.open(first.path) as tar:
+        assert tar.getnames() == ["rank0/fxgraph/ab/entry"]  # node1 packed its own folder only

@@ -3,7 +3,7 @@
 Inductor keeps what it compiled (FX graphs, AOTAutograd graphs, Triton kernels, the CPU's shared objects) in
 TORCHINDUCTOR_CACHE_DIR, by default a node-local temporary folder: a requeued job that lands on another node
 compiles again (80 s for the DDPM U-Net on an H100). hpctrain points that folder at a node-local one of its own per
-run and local rank, and rank 0 packs its node's folders (every local rank's: Inductor's entries are keyed by the
+run, host and local rank, and rank 0 packs its node's folders (every local rank's: Inductor's entries are keyed by the
 device index) into one file beside the checkpoints after each checkpoint (only when they have grown); every rank
 unpacks its local rank's part before its first compiled step. One file, not thousands: what a shared file system
 wants.
@@ -67,9 +67,15 @@ def user_cache_dir() -> bool:
 
 
 def node_folder(key: str, run_dir: Path) -> Path:
-    """This run's cache folders on this node (one per run: two jobs of one user on a node do not share them)."""
+    """This run's cache folders on this node: one per run (two jobs of one user on a node do not share them) and
+    host (in a $TMPDIR that nodes share, local rank 0 of two nodes would use one folder, and the first node to
+    finish would remove it under the other)."""
     run = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
-    return _root() / key / run
+    return _root() / key / f"{run}-{_host()}"
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", socket.gethostname()).strip("-.") or "host"
 
 
 def _root() -> Path:
