@@ -90,13 +90,7 @@ print(next(iter(loader))[0].tolist())
 def test_forkserver_workers_start_from_a_helper_that_has_imported_torch(tmp_path):
     """Each worker forked from the helper finds torch loaded (libtorch mapped in its parent, the helper) instead of
     importing it again. A fresh interpreter: a forkserver already running in this one keeps its old preload."""
-    import os
-    import subprocess
-    import sys
-
-    (tmp_path / "probe_dataset.py").write_text(PROBE_DATASET)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, env=env)
+    out = _run_script(tmp_path, {"probe_dataset": PROBE_DATASET}, PROBE)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-2:] == ["[1,", "1]"], out.stdout  # the helper has torch; the helper is not the rank
 
@@ -138,14 +132,20 @@ print("equal", len(os.listdir("/proc/self/fd")))
 """
 
 
-def _run_speech(tmp_path, *args: str):
+def _run_script(tmp_path, modules: dict[str, str], script: str, *args: str):
+    """``script`` in a fresh interpreter (its own forkserver), with ``modules`` importable by the workers too."""
     import os
     import subprocess
     import sys
 
-    (tmp_path / "speech_data.py").write_text(SPEECH_DATA)
+    for name, text in modules.items():
+        (tmp_path / f"{name}.py").write_text(text)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, "-c", SPEECH, *args], capture_output=True, text=True, timeout=240, env=env)
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300, env=env)
+
+
+def _run_speech(tmp_path, *args: str):
+    return _run_script(tmp_path, {"speech_data": SPEECH_DATA}, SPEECH, *args)
 
 
 def test_a_list_of_many_variable_length_tensors_reaches_the_workers(tmp_path):
@@ -162,6 +162,49 @@ def test_tensors_that_cannot_be_packed_stop_with_what_to_do(tmp_path):
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert "its tensors need more file descriptors than a process start can pass" in out.stderr
     assert "data.num_workers=0" in out.stderr
+
+
+PARAM_DATA = """
+import torch
+
+class Scale(torch.nn.Module):  # a transform holding a parameter: torch sends it as a descriptor of one start
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.full((3,), 2.0))
+        self.offset = 0.0
+
+    def forward(self, sample, generator):
+        return sample * self.w.detach() + self.offset
+"""
+
+PARAM = """
+import torch
+from hpctrain.config.schema import DataSection
+from hpctrain.data.loader import build_loader
+from hpctrain.data.sampler import SampleKey
+from hpctrain.dist.runtime import single_process_runtime
+from param_data import Scale
+
+data = [torch.full((3,), float(i)) for i in range(100)]  # more storages than PACK_ABOVE: packed
+scale = Scale()
+batches = [[SampleKey(0, i) for i in range(j, j + 10)] for j in range(0, 100, 10)]
+loader = build_loader(data, batches, DataSection(num_workers=2, worker_start="forkserver", persistent_workers=False),
+                      single_process_runtime(torch.device("cpu")), transform=scale)
+assert torch.equal(torch.cat(list(loader)), torch.stack(data) * 2)
+data[7].fill_(1000.0)  # between epochs: a sample changed in place, and the transform's setting
+scale.offset = 0.5
+assert torch.equal(torch.cat(list(loader)), torch.stack(data) * 2 + 0.5)
+print("equal")
+"""
+
+
+def test_every_worker_gets_the_data_set_with_a_parameter_as_it_is_at_its_start(tmp_path):
+    """A packed data set whose transform holds an nn.Parameter (which torch sends as a descriptor of one process
+    start): the second worker got the first start's stale descriptor ('Bad file descriptor', or a dead worker).
+    Without persistent workers, each epoch's workers see the data set as it is then: a tensor changed in place in
+    the rank (the rank's tensors are views into the shared block) and a changed transform attribute."""
+    out = _run_script(tmp_path, {"param_data": PARAM_DATA}, PARAM)
+    assert out.returncode == 0 and out.stdout.split()[-1:] == ["equal"], out.stderr[-3000:]
 
 
 def test_a_list_of_tensors_is_in_memory_and_gets_no_workers_on_a_cpu():

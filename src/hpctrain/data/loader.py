@@ -26,7 +26,7 @@ from hpctrain.config.schema import DataSection
 from hpctrain.data.sampler import SampleKey
 from hpctrain.data.seeding import SALT_WORKER, mix_seed, sample_generator
 from hpctrain.data.shardset import DataError
-from hpctrain.data.tensor_pack import Packed, pack, unpack
+from hpctrain.data.tensor_pack import pack, unpack
 from hpctrain.dist.env import cpus_available
 from hpctrain.dist.runtime import Runtime
 from hpctrain.errors import UserError
@@ -75,18 +75,12 @@ class KeyedDataset(Dataset):
                 out.skipped.append(str(err).splitlines()[0])
         return out
 
-    _packed: Packed | bool | None = None  # pack()'s result once made; False: too few tensors to pack
-
     def __reduce_ex__(self, protocol: Any) -> Any:
-        """A worker's start pickles its data set: many tensors go as one shared block (data/tensor_pack.py)."""
+        """A worker's start pickles its data set: many tensors go as one shared block (data/tensor_pack.py), packed
+        anew at every start (the data set as it is now; what torch sends as descriptors is valid for one start)."""
         if get_spawning_popen() is None:  # not a process start (fork sends nothing; a plain pickle copies)
             return super().__reduce_ex__(protocol)
-        if self._packed is None:
-            self._packed = pack(self.__getstate__()) or False
-        return super().__reduce_ex__(protocol) if self._packed is False else (_unpacked, self._packed)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "_packed"}
+        return _unpacked, pack(self.__dict__)
 
     def _seed_worker(self, epoch: int) -> None:
         info = get_worker_info()
