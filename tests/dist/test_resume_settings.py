@@ -62,3 +62,15 @@ def test_a_changed_optimizer_is_refused_before_launch(tmp_path: Path):
                            120)
     assert refused.returncode == 2, refused.output
     assert "optim.name changed" in refused.stderr and "optim.name=adamw" in refused.stderr, refused.output
+
+
+def test_an_ema_turned_on_at_a_resume_starts_from_the_restored_weights_under_fsdp(tmp_path: Path):
+    """optim.ema_decay 0 -> 0.9 at a resume (the README: a changed ema_decay applies from the resumed step): it
+    failed on every rank ('has no EMA weights'). The EMA starts from the restored, sharded weights; with a near-zero
+    rate the weights stay, so the EMA saved at the end equals them exactly."""
+    common = ["--nproc-per-node=2", "dist.strategy=fsdp"]
+    train(tmp_path, *common, "train.max_steps=6", "optim.ema_decay=0")
+    resumed = train(tmp_path, *common, "train.max_steps=8", "optim.ema_decay=0.9", "optim.lr=1e-30")
+    assert "the EMA starts from the restored weights at step 6" in resumed.stderr, resumed.output
+    end = tmp_path / "checkpoints" / "step_00000008"
+    assert same_params(checkpoint_tensors(end, "ema"), checkpoint_tensors(end))

@@ -110,3 +110,53 @@ def test_the_open_log_window_is_part_of_the_train_state():
     assert TrainState.from_dict(state.to_dict()) == state
     old = {k: v for k, v in state.to_dict().items() if not k.startswith("log_")}
     assert TrainState.from_dict(old).log_steps == 0 and TrainState.from_dict(old).log_loss == 0.0
+
+
+def _stateful(ema_decay: float, seed: int) -> dict:
+    """A small training state, as train/context.py's stateful() gives the checkpointer."""
+    from hpctrain.train.ema import build_ema
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    cfg = replace(SAVED, ema_decay=ema_decay)
+    optimizer = build_optimizer(model, cfg)
+    return {"model": model, "optimizer": optimizer, "scheduler": build_scheduler(optimizer, cfg, 10),
+            "scaler": torch.amp.GradScaler("cpu", enabled=False), "ema": build_ema(model, ema_decay)}
+
+
+def _save_and_resume(tmp_path: Path, saved_decay: float, resumed_decay: float, caplog) -> dict:
+    import logging
+
+    from hpctrain.checkpoint.manager import Checkpointer
+    from hpctrain.dist.runtime import single_process_runtime
+    from hpctrain.train.rng import capture_rng
+    from hpctrain.train.state import TrainState
+
+    single = single_process_runtime(torch.device("cpu"))
+    saved = _stateful(saved_decay, seed=0)
+    state = TrainState(step=6, epoch=0, step_in_epoch=6, samples_seen=24)
+    Checkpointer(tmp_path, "toy", single, "", 3).save(state.to_dict(), saved, capture_rng(single.device), wait=True)
+    resumed = _stateful(resumed_decay, seed=1)
+    caplog.set_level(logging.INFO, "hpctrain")
+    Checkpointer(tmp_path, "toy", single, "", 3).restore("auto", resumed)
+    for p, q in zip(resumed["model"].state_dict().values(), saved["model"].state_dict().values()):
+        assert torch.equal(p, q)
+    return resumed
+
+
+def test_an_ema_turned_on_at_a_resume_starts_from_the_restored_weights(tmp_path: Path, caplog):
+    """A checkpoint saved with optim.ema_decay=0, resumed with 0.9: the resume failed on every rank ('has no EMA
+    weights') although the README says a changed ema_decay applies from the resumed step."""
+    resumed = _save_and_resume(tmp_path, 0.0, 0.9, caplog)
+    ema = resumed["ema"]
+    for p, q in zip(ema.module.state_dict().values(), resumed["model"].state_dict().values()):
+        assert torch.equal(p, q)
+    assert int(ema.n_averaged) == 1  # its first update was that copy: the next one averages
+    assert "holds no EMA weights (saved with optim.ema_decay=0): the EMA starts from the restored weights at step 6" \
+        in caplog.text
+
+
+def test_an_ema_turned_off_at_a_resume_says_its_weights_are_not_carried(tmp_path: Path, caplog):
+    _save_and_resume(tmp_path, 0.9, 0.0, caplog)
+    assert "holds EMA weights, but optim.ema_decay=0: they are not carried on" in caplog.text
+    assert "resume with optim.ema_decay>0 to keep them" in caplog.text

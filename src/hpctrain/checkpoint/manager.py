@@ -336,9 +336,14 @@ class Checkpointer:
 
     def _load(self, chosen: _Chosen, stateful: Mapping[str, Any]) -> Resumed:
         path, info = chosen.path, chosen.info
-        if stateful.get("ema") is not None and "ema" not in chosen.parts:
-            raise on_every_rank(UserError(f"checkpoint '{path}' has no EMA weights, but optim.ema_decay > 0",
-                                          "set optim.ema_decay=0 or start a new run."))
+        ema = stateful.get("ema")
+        start_ema = ema is not None and "ema" not in chosen.parts  # optim.ema_decay turned on at this resume
+        if start_ema:
+            stateful = {**stateful, "ema": None}
+        elif ema is None and "ema" in chosen.parts and self.runtime.is_main:
+            log.warning("checkpoint %s holds EMA weights, but optim.ema_decay=0: they are not carried on (this run "
+                        "validates and saves the training weights only); resume with optim.ema_decay>0 to keep them",
+                        path)
         template = dcp_state.tensor_state(stateful)
         optimized, with_state = self._saved_optimizer_params(path)
         dcp_state.drop_unsaved_optimizer_state(stateful, template, with_state)
@@ -354,6 +359,8 @@ class Checkpointer:
             self._dcp_load(path, sharded, no_dist=False)
         _fit(lambda: dcp_state.apply_tensor_state(stateful, template), path, self.config_text)
         self._load_small(chosen, stateful)
+        if start_ema:
+            _start_ema(ema, stateful["model"], path, int(info["step"]), self.runtime.is_main)
         saved_world = int(info["world_size"])
         rng = self._own_rng(path) if saved_world == self.runtime.world_size else None
         saved_strategy = info.get("strategy", "ddp")
@@ -543,6 +550,16 @@ def _unreadable(path: Path, name: str, error: str) -> UserError:
 
 
 INFO_FIELDS = ("step", "epoch", "step_in_epoch", "samples_seen", "world_size")
+
+
+def _start_ema(ema: Any, model: nn.Module, path: Path, step: int, is_main: bool) -> None:
+    """optim.ema_decay > 0 on a checkpoint saved without an EMA: the EMA starts from the restored weights (its first
+    update, a copy), as a run that turned it on at this step; validation and the shipped weights use it from now."""
+    ema.n_averaged.zero_()
+    ema.update_parameters(model)
+    if is_main:
+        log.info("checkpoint %s holds no EMA weights (saved with optim.ema_decay=0): the EMA starts from the restored "
+                 "weights at step %d", path, step)
 
 
 def _read_info(path: Path) -> dict[str, Any]:
