@@ -285,7 +285,9 @@ def _add_slurm_parser(sub) -> None:
         p = ssub.add_parser(name, help=text)
         _add_run_args(p)
         if name == "submit":
-            p.add_argument("--force", action="store_true", help="submit despite errors found by the check")
+            p.add_argument("--force", action="store_true",
+                           help="submit despite errors found by the check, or when Slurm did not answer whether the "
+                                "run dir's job still runs")
             p.add_argument("--preflight", action="store_true",
                            help="run hpctrain doctor --perf on all ranks first; a failed check ends the job before "
                            "training (same as slurm.preflight=true; options in slurm.preflight_args)")

@@ -1,11 +1,13 @@
 """One writer per run dir (fault/run_lock.py): a live holder is named and refused, a dead one's lock taken over (a
-gone pid, a reused pid, a stale heartbeat from another host, our own job requeued), and only the holder removes it."""
+gone pid, a reused pid, a stale heartbeat from another host by the file server's clock, a Slurm job that has ended,
+our own job requeued), only the holder removes it, and a holder that lost its lock stops training."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -32,9 +34,34 @@ def dead_pid() -> int:
     return proc.pid
 
 
-def place(run_dir: Path, owner: run_lock.Owner) -> None:
+def place(run_dir: Path, owner: run_lock.Owner, age: float | None = None) -> None:
+    """The lock file as ``owner`` wrote it, last written ``age`` seconds ago (default: at its beat)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / run_lock.LOCK_FILE).write_text(json.dumps(dataclasses.asdict(owner)))
+    path = run_dir / run_lock.LOCK_FILE
+    path.write_text(json.dumps(dataclasses.asdict(owner)))
+    written = time.time() - age if age is not None else owner.beat or time.time()
+    os.utime(path, (written, written))
+
+
+@pytest.fixture
+def scontrol(tmp_path, monkeypatch):
+    """A stand-in scontrol on PATH: writes its answer (stdout), its error (stderr) and its exit code from files."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    answer = tmp_path / "scontrol-answer"
+    answer.write_text("RUNNING")
+    (bin_dir / "scontrol").write_text(
+        "#!/bin/sh\n"
+        f"a=$(cat {answer})\n"
+        "case \"$a\" in\n"
+        "  INVALID) echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1;;\n"
+        "  TIMEOUT) echo 'slurm_load_jobs error: Socket timed out on send/recv operation' >&2; exit 1;;\n"
+        "esac\n"
+        "echo \"JobId=$4 JobName=x JobState=$a Reason=None\"\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.delenv("SLURM_CLUSTER_NAME", raising=False)
+    return answer
 
 
 def holder_on(host: str, pid: int, started: str = "", job: str = "", restarts: int = 0, beat_age: float = 0.0):
@@ -90,6 +117,45 @@ def test_another_hosts_lock_lives_while_it_beats(tmp_path, monkeypatch):
     run_lock.acquire(tmp_path, me).release()
 
 
+@pytest.mark.parametrize("beat_age, written_ago, dead", [
+    (run_lock.STALE_S + 600, 5.0, False),   # its clock runs 10 minutes behind ours, and it wrote the file just now
+    (0.0, run_lock.STALE_S + 60, True)])    # its clock runs ahead: the beat looks fresh, the file is not
+def test_another_hosts_heartbeat_is_judged_by_the_file_servers_clock(tmp_path, beat_age, written_ago, dead):
+    """The lock file's age is its mtime against a probe file's, both set by the file server: the hosts' clocks
+    (the holder's 'beat', our time.time()) play no part."""
+    place(tmp_path, holder_on("node7", 99, beat_age=beat_age), age=written_ago)
+    assert (run_lock.holder(tmp_path) is None) == dead
+    assert not list(tmp_path.glob(".*probe*"))  # the probe is removed again
+
+
+@pytest.mark.parametrize("answer, dead", [("COMPLETED", True), ("CANCELLED", True), ("INVALID", True),
+                                          ("RUNNING", False), ("COMPLETING", False), ("TIMEOUT", False)])
+def test_a_holder_whose_slurm_job_has_ended_is_dead_at_once(tmp_path, scontrol, answer, dead):
+    """Rank 0 SIGKILLed at the end of KillWait leaves a fresh heartbeat: Slurm's word that the job has ended (or no
+    longer exists) frees the run dir at once. A controller that does not answer says nothing: the heartbeat
+    decides (fresh here: alive)."""
+    scontrol.write_text(answer)
+    place(tmp_path, holder_on("node7", 99, job="4100"))
+    assert (run_lock.holder(tmp_path) is None) == dead
+    if dead:
+        run_lock.acquire(tmp_path, run_lock.this_process()).release()
+
+
+def test_a_suspended_holder_lives_however_long_it_is_silent(tmp_path, scontrol):
+    scontrol.write_text("SUSPENDED")
+    place(tmp_path, holder_on("node7", 99, job="4100", beat_age=3 * run_lock.STALE_S))
+    assert "Slurm job 4100" in run_lock.holder(tmp_path)
+    scontrol.write_text("RUNNING")  # running, and silent for longer than STALE_S: judged dead by its heartbeat
+    assert run_lock.holder(tmp_path) is None
+
+
+def test_another_clusters_job_id_is_not_asked_here(tmp_path, scontrol, monkeypatch):
+    monkeypatch.setenv("SLURM_CLUSTER_NAME", "here")
+    scontrol.write_text("INVALID")
+    place(tmp_path, dataclasses.replace(holder_on("node7", 99, job="4100"), cluster="there"))
+    assert "Slurm job 4100" in run_lock.holder(tmp_path)
+
+
 @pytest.mark.parametrize("job, restarts, taken", [("812", 2, True), ("812", 1, False), ("813", 5, False),
                                                   ("", 2, False)])
 def test_a_requeued_job_takes_over_from_its_earlier_start(tmp_path, job, restarts, taken):
@@ -117,6 +183,48 @@ def test_the_holder_beats_and_leaves_a_lock_taken_over_alone(tmp_path, monkeypat
     assert json.loads((tmp_path / run_lock.LOCK_FILE).read_text())["token"] == thief.token
 
 
+def test_a_holder_that_lost_its_lock_says_so_and_stops_beating(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_lock, "BEAT_S", 0.05)
+    lock = run_lock.acquire(tmp_path)
+    thief = run_lock.Owner("node9", 1, "", job_id="777", since=time.time(), beat=time.time())
+    place(tmp_path, thief)
+    deadline = time.time() + 30
+    while not lock.lost and time.time() < deadline:
+        time.sleep(0.05)
+    assert "now held by pid 1 on node9, Slurm job 777" in lock.lost
+    lock._thread.join(timeout=10)
+    assert not lock._thread.is_alive()
+    assert json.loads((tmp_path / run_lock.LOCK_FILE).read_text())["token"] == thief.token
+    lock.release()
+
+
+def test_the_beat_waits_while_a_take_over_holds_the_guard(tmp_path, monkeypatch):
+    """The beat's check and rewrite run under the take-over guard: a take-over landing between the two would be
+    overwritten by the old holder's token."""
+    monkeypatch.setattr(run_lock, "BEAT_S", 0.05)
+    lock = run_lock.acquire(tmp_path)
+    guard = tmp_path / (run_lock.LOCK_FILE + run_lock.GUARD_SUFFIX)
+    guard.write_text("{}")  # another process is taking over
+    written = (tmp_path / run_lock.LOCK_FILE).read_text()
+    time.sleep(1.0)  # twenty beats
+    assert (tmp_path / run_lock.LOCK_FILE).read_text() == written
+    guard.unlink()
+    deadline = time.time() + 30
+    while (tmp_path / run_lock.LOCK_FILE).read_text() == written and time.time() < deadline:
+        time.sleep(0.05)
+    assert json.loads((tmp_path / run_lock.LOCK_FILE).read_text())["beat"] > json.loads(written)["beat"]
+    lock.release()
+
+
+def test_a_take_over_gives_up_when_the_holder_beat_since_it_was_judged(tmp_path):
+    old = holder_on("node7", 99, beat_age=run_lock.STALE_S + 1)
+    place(tmp_path, old)
+    me = run_lock.this_process()
+    place(tmp_path, dataclasses.replace(old, beat=time.time()))  # the holder beat after we judged it dead
+    assert not run_lock._take_over(tmp_path / run_lock.LOCK_FILE, old, me)
+    assert json.loads((tmp_path / run_lock.LOCK_FILE).read_text())["token"] == old.token
+
+
 def test_an_unreadable_lock_says_what_to_do(tmp_path):
     (tmp_path / run_lock.LOCK_FILE).write_text("{not json")
     with pytest.raises(UserError, match="(?s)not readable.*delete it"):
@@ -129,3 +237,39 @@ def test_a_lock_written_by_a_later_hpctrain_is_still_read(tmp_path, live_pid):
     data = json.loads((tmp_path / run_lock.LOCK_FILE).read_text()) | {"gpu_count": 8}
     (tmp_path / run_lock.LOCK_FILE).write_text(json.dumps(data))
     assert f"pid {live_pid}" in run_lock.holder(tmp_path)
+
+
+def test_a_training_whose_lock_is_taken_over_stops_with_an_error_and_saves_nothing(tmp_path, monkeypatch, capsys):
+    """A holder judged dead while alive (stopped, a hung mount) wakes to find its lock taken: its beat thread says
+    so, the step vote stops every rank with an error naming the new holder, and no checkpoint is written after."""
+    import threading
+
+    from hpctrain.cli import main
+
+    monkeypatch.setattr(run_lock, "BEAT_S", 0.05)
+    path = tmp_path / "run" / run_lock.LOCK_FILE
+    thief = run_lock.Owner("node9", 1, "", job_id="777", since=time.time(), beat=time.time())
+    stolen = threading.Event()
+
+    def steal() -> None:  # once the training holds the lock and has saved a checkpoint
+        deadline = time.time() + 240
+        while time.time() < deadline and not list((tmp_path / "run" / "checkpoints").glob("step_*")):
+            time.sleep(0.02)
+        place(tmp_path / "run", thief)
+        stolen.set()
+
+    thread = threading.Thread(target=steal, daemon=True)
+    thread.start()
+    code = main(["train", "digits", f"run.dir={tmp_path / 'run'}", "train.max_steps=300", "ckpt.every_steps=2",
+                 "ckpt.async_save=false", "log.every_steps=1", "log.plots=false", "log.tensorboard=false",
+                 "data.num_workers=0", "eval.every_steps=0"])
+    thread.join(timeout=10)
+    assert stolen.is_set()
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "lost its lock (now held by pid 1 on node9, Slurm job 777" in err and "without saving" in err, err[-1500:]
+    saved = sorted(int(p.name.split("_")[-1]) for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert saved and max(saved) <= 4, saved  # the first (2), and at most one more the thread's theft raced with
+    assert max(steps) < 100, steps  # stopped within a few steps, not at the run's end
+    assert json.loads(path.read_text())["token"] == thief.token  # the new holder's lock is left alone

@@ -28,7 +28,8 @@ from hpctrain.train.state import TrainState
 def slurm(tmp_path, monkeypatch):
     """Stand-in sbatch (records that it ran, answers job 4242) and scontrol (answers JobState=<state>, the state
     read from a file the test writes; while a file 'append' exists, the call appends it to the log at 'log-path'
-    and answers RUNNING, as a job that still writes would)."""
+    and answers RUNNING, as a job that still writes would). State INVALID: Slurm's answer for a job it forgot;
+    TIMEOUT: a controller that did not answer (while a file 'timeouts' holds a number, that many calls time out)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "sbatch-calls"
@@ -40,6 +41,12 @@ def slurm(tmp_path, monkeypatch):
         f"now=$(head -n1 {state})\n"
         f"if [ -f {tmp_path}/append ]; then cat {tmp_path}/append >> \"$(cat {tmp_path}/log-path)\"; "
         f"rm {tmp_path}/append; now=RUNNING; fi\n"
+        f"n=$(cat {tmp_path}/timeouts 2>/dev/null || echo 0)\n"
+        f"if [ \"$n\" -gt 0 ]; then echo $((n - 1)) > {tmp_path}/timeouts; now=TIMEOUT; fi\n"
+        "case \"$now\" in\n"
+        "  INVALID) echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1;;\n"
+        "  TIMEOUT) echo 'slurm_load_jobs error: Socket timed out on send/recv operation' >&2; exit 1;;\n"
+        "esac\n"
         f"echo \"JobId=$4 JobName=x JobState=$now Reason=None\"\n")
     for name in ("sbatch", "scontrol"):
         (bin_dir / name).chmod(0o755)
@@ -87,8 +94,9 @@ def test_a_run_dir_a_live_training_holds_is_refused_before_sbatch(tmp_path, slur
     assert submit(run) == 0  # its holder is gone: the stale lock does not block
 
 
-def save_checkpoint(run: Path, experiment: str, global_batch: int, config_text: str = "") -> None:
-    model = nn.Linear(2, 2)
+def save_checkpoint(run: Path, experiment: str, global_batch: int, config_text: str = "",
+                    model: nn.Module | None = None) -> None:
+    model = model or nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     stateful = {"model": model, "optimizer": optimizer, "scaler": torch.amp.GradScaler("cpu", enabled=False),
                 "scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), "ema": None}
@@ -159,20 +167,101 @@ def test_a_sweep_point_that_a_live_training_holds_is_refused_before_sbatch(tmp_p
     assert not slurm.calls.exists()
 
 
-def test_a_model_setting_that_differs_from_the_checkpoint_is_an_error_force_passes(tmp_path, slurm, capsys):
-    """model.width 8 in the checkpoint, 32 (digits' default) here: the job would fail at its restore, on every rank,
-    after its queue wait. --force passes it (a dropout rate changes no shape)."""
+def digits_checkpoint(run: Path, *overrides: str) -> None:
+    """A checkpoint of the digits model built with these [model] settings, and their config.toml."""
     from hpctrain.config import config_to_toml
     from hpctrain.train.entry import resolve
 
+    cls, saved = resolve("digits", None, (f"run.dir={run}", *overrides))
+    save_checkpoint(run, "digits", saved.train.global_batch_size, config_to_toml(saved), cls(saved).build_model())
+
+
+@pytest.mark.parametrize("saved, says", [
+    ("model.width=8", "shape of"),            # every conv and the head change shape
+    ("model.norm=group", "not in the checkpoint")])  # GroupNorm has no running statistics: names differ
+def test_a_model_the_checkpoint_does_not_fit_is_refused_force_or_not(tmp_path, slurm, capsys, saved, says):
+    """Local train refuses such a resume at its strict load; the job would fail there on every rank after its queue
+    wait. --force does not pass it: it would fail for sure."""
     run = tmp_path / "run"
-    saved = resolve("digits", None, (f"run.dir={run}", "model.width=8"))[1]
-    save_checkpoint(run, "digits", saved.train.global_batch_size, config_to_toml(saved))
-    assert submit(run) == 2
-    err = capsys.readouterr().err
-    assert "ERROR   model.width: is 32 here but 8 in" in err and "--force" in err
+    digits_checkpoint(run, saved)
+    for extra in ((), ("--force",)):
+        assert submit(run, *extra) == 2
+        err = capsys.readouterr().err
+        assert "does not fit this model" in err and says in err and saved.split("=")[0] in err, err
     assert not slurm.calls.exists()
     slurm.state.write_text("COMPLETED")  # each submit below records a job: ended at once
-    assert submit(run, "model.width=8") == 0  # the run's own settings: nothing to say
-    assert "model.width" not in capsys.readouterr().err
-    assert submit(run, "--force") == 0
+    assert submit(run, saved) == 0  # the run's own settings: nothing to say
+    assert "model." not in capsys.readouterr().err
+
+
+def test_a_model_setting_that_changes_no_parameter_is_a_warning_as_local_train_resumes_it(tmp_path, slurm, capsys):
+    """model.max_shift (augmentation) changes no parameter: local train resumes with it, so submit does too, and
+    says which key differs."""
+    run = tmp_path / "run"
+    digits_checkpoint(run, "model.max_shift=2")
+    slurm.state.write_text("COMPLETED")
+    assert submit(run) == 0
+    err = capsys.readouterr().err
+    assert "WARNING model: model.max_shift is 1 here but 2 in" in err and "unchanged" in err, err
+    assert slurm.calls.exists()
+
+
+def test_a_slurm_controller_that_does_not_answer_is_not_a_free_run_dir(tmp_path, slurm, capsys):
+    """'Socket timed out' says nothing about the run dir's job: refused (it may still run), --force submits."""
+    run = tmp_path / "run"
+    record_job(run, "4100")
+    slurm.state.write_text("TIMEOUT")
+    assert submit(run) == 2
+    err = capsys.readouterr().err
+    assert "could not ask Slurm whether a job of run dir" in err and "Socket timed out" in err and "--force" in err
+    assert not slurm.calls.exists()
+    assert submit(run, "--force") == 0 and slurm.calls.exists()
+    assert "submitting anyway (--force)" in capsys.readouterr().err
+    slurm.state.write_text("INVALID")  # forgotten by Slurm: ended long ago
+    assert submit(run) == 0
+
+
+@pytest.mark.parametrize("state", ["COMPLETED", "CANCELLED", "INVALID"])
+def test_a_lock_whose_slurm_job_has_ended_does_not_block_a_submit(tmp_path, slurm, capsys, state):
+    """Rank 0 SIGKILLed at the end of KillWait (a long final save) leaves run.lock with a fresh heartbeat on another
+    node: Slurm says its job has ended, so the run dir is free, for submit as for the job's own start."""
+    run = tmp_path / "run"
+    run.mkdir()
+    now = __import__("time").time()
+    owner = run_lock.Owner("node7", 4711, "", job_id="4100", since=now - 600, beat=now)
+    (run / run_lock.LOCK_FILE).write_text(json.dumps(dataclasses.asdict(owner)))
+    slurm.state.write_text("RUNNING")
+    assert submit(run) == 2 and "pid 4711 on node7, Slurm job 4100" in capsys.readouterr().err
+    slurm.state.write_text(state)
+    assert submit(run) == 0 and slurm.calls.exists()
+
+
+def test_logs_follow_goes_on_when_slurm_does_not_answer(tmp_path, slurm, capsys, monkeypatch):
+    """A controller timeout while following is no reason to stop (nor an error): it asks again, and ends when the
+    job has."""
+    monkeypatch.setattr(commands, "FOLLOW_POLL_S", 0.01, raising=False)
+    monkeypatch.setattr(commands, "FOLLOW_STATE_S", 0.0, raising=False)
+    run = tmp_path / "run"
+    record_job(run, "4100")
+    (run / "logs").mkdir()
+    (run / "logs" / "digits_4100.out").write_text("line 0\n")
+    (slurm.root / "timeouts").write_text("2")
+    slurm.state.write_text("COMPLETED")
+    assert main(["slurm", "logs", str(run), "--follow"]) == 0
+    err = capsys.readouterr().err
+    assert "Socket timed out" in err and "still following" in err and "job 4100 has ended (COMPLETED)" in err
+    assert (slurm.root / "timeouts").read_text().strip() == "0"
+
+
+def test_status_shows_the_step_of_a_stop_not_the_last_train_record(tmp_path, slurm, capsys):
+    """A stop writes no train record (windows stay aligned): its stop record, and a resume's, carry the step."""
+
+    run = tmp_path / "run"
+    record_job(run, "4100")
+    records = [{"step": 10, "split": "train", "epoch": 0, "loss": 0.5},
+               {"step": 14, "split": "stop", "epoch": 0, "signal": "SIGUSR2"}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["slurm", "status", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "step 14, train loss 0.5 at step 10" in out, out
+    assert commands.latest_step(records + [{"step": 14, "split": "resume", "epoch": 0}]) == 14

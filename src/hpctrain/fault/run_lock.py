@@ -8,11 +8,21 @@ says when its holder is provably dead and the lock may be taken over:
   or another boot);
 - the holder is an earlier start of our own Slurm job (same SLURM_JOB_ID, lower SLURM_RESTART_COUNT): a requeued
   job takes over from itself at once, on whichever node it lands;
-- the holder ran on another host: dead when its heartbeat (a time in the file, rewritten every BEAT_S by a thread
-  of the holder) is older than STALE_S. A node that crashed thus blocks its run dir for STALE_S at most.
+- the holder ran in a Slurm job that Slurm says has ended (or no longer knows: "Invalid job id specified"): dead at
+  once, wherever it ran (a rank 0 SIGKILLed at the end of KillWait leaves a fresh heartbeat behind). A suspended job
+  is alive, however long it has been silent;
+- otherwise, the holder ran on another host: dead when its heartbeat (the lock file, rewritten every BEAT_S by a
+  thread of the holder) is older than STALE_S. Its age is the lock file's mtime against that of a probe file just
+  written beside it: both are the file server's clock, so the hosts' clocks play no part. A node that crashed thus
+  blocks its run dir for STALE_S at most.
 
 A take-over replaces the file with os.replace under a second, short-lived guard file (run.lock.takeover), so two
-processes that both judge a holder dead cannot both win.
+processes that both judge a holder dead cannot both win; the holder's heartbeat rewrites the file under the same
+guard, and a take-over gives up when the lock changed since it was judged (a beat in between: alive after all).
+
+A holder that was judged dead while alive (stopped with SIGSTOP, a mount that hung for minutes) finds at its next
+beat that the lock is no longer its own: the step vote (fault/vote.py) then stops every rank with an error, without
+a checkpoint, and rank 0 checks the lock before each checkpoint as well (check()).
 """
 
 from __future__ import annotations
@@ -69,6 +79,8 @@ class Owner:
     """The holder's last heartbeat (epoch seconds)."""
     token: str = field(default_factory=lambda: uuid.uuid4().hex)
     """Unique per take: a holder rewrites or removes the file only while it is still its own."""
+    cluster: str = ""
+    """SLURM_CLUSTER_NAME of the holder's job: another cluster's job id means nothing to this cluster's Slurm."""
 
     def describe(self) -> str:
         job = f", Slurm job {self.job_id}" + (f" (restart {self.restarts})" if self.restarts else "") if self.job_id else ""
@@ -78,7 +90,8 @@ class Owner:
 def this_process(job_id: str = "", restarts: int | None = None) -> Owner:
     now = time.time()
     return Owner(socket.gethostname(), os.getpid(), process_start(os.getpid()), job_id,
-                 restart_count() if restarts is None else restarts, now, now)
+                 restart_count() if restarts is None else restarts, now, now,
+                 cluster=os.environ.get("SLURM_CLUSTER_NAME", "") if job_id else "")
 
 
 def process_start(pid: int) -> str:
@@ -102,15 +115,48 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def is_dead(holder: Owner, me: Owner, now: float | None = None) -> bool:
-    """The liveness rule (see the module's docstring): True only when the holder is provably gone."""
+def is_dead(holder: Owner, me: Owner, path: Path | None = None) -> bool:
+    """The liveness rule (see the module's docstring): True only when the holder is provably gone. ``path``: the
+    lock file the holder was read from, whose age (file-server time) judges a holder on another host."""
     if holder.host == me.host:
         if not _pid_alive(holder.pid):
             return True
         return bool(holder.started) and process_start(holder.pid) not in ("", holder.started)
     if me.job_id and holder.job_id == me.job_id and holder.restarts < me.restarts:
         return True  # our own job, requeued onto another node
-    return (time.time() if now is None else now) - holder.beat > STALE_S
+    slurm = _holder_job(holder)
+    if slurm in ("ended", "suspended"):
+        return slurm == "ended"
+    silent = _silent_for(path) if path is not None else None
+    return (time.time() - holder.beat if silent is None else silent) > STALE_S
+
+
+def _holder_job(holder: Owner) -> str:
+    """What this cluster's Slurm says of the holder's job: 'ended' (ended or forgotten), 'suspended', 'live', or ''
+    when it cannot tell (no Slurm job, no scontrol here, the controller did not answer, another cluster's job)."""
+    here = os.environ.get("SLURM_CLUSTER_NAME", "")
+    if not holder.job_id or (holder.cluster and here and holder.cluster != here):
+        return ""
+    from hpctrain.slurm.job import job_liveness  # not at import: slurm/job.py imports this module
+
+    try:
+        return job_liveness(holder.job_id)
+    except UserError:  # no Slurm commands on this machine, or no answer: the heartbeat decides
+        return ""
+
+
+def _silent_for(path: Path) -> float | None:
+    """Seconds since ``path`` was last written, by the file server's clock: a probe file written beside it now, and
+    the two mtimes compared. None when the probe cannot be written or either file cannot be read."""
+    probe = path.with_name(f".{path.name}.probe.{uuid.uuid4().hex}")
+    try:
+        probe.write_text("")
+        return probe.stat().st_mtime - path.stat().st_mtime
+    except OSError:
+        return None
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
 
 
 def read_owner(path: Path) -> Owner | None:
@@ -130,18 +176,22 @@ def read_owner(path: Path) -> Owner | None:
 def holder(run_dir: Path, me: Owner | None = None) -> str | None:
     """A description of the live training that holds ``run_dir`` (host, pid, Slurm job, since when); None when it
     is free or its holder is provably dead."""
-    owner = read_owner(Path(run_dir) / LOCK_FILE)
-    if owner is None or is_dead(owner, me or this_process()):
+    path = Path(run_dir) / LOCK_FILE
+    owner = read_owner(path)
+    if owner is None or is_dead(owner, me or this_process(), path):
         return None
     return owner.describe()
 
 
 class RunLock:
-    """A held run dir lock: a thread rewrites its heartbeat until release()."""
+    """A held run dir lock: a thread rewrites its heartbeat until release(), and sets ``lost`` when it finds the lock
+    no longer its own (the training must then stop: the step vote reads it)."""
 
     def __init__(self, path: Path, owner: Owner) -> None:
         self.path = path
         self.owner = owner
+        self.lost = ""
+        """'' while the lock is ours; once it is not: who holds it now (or that it was removed)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="hpctrain-run-lock", daemon=True)
         self._thread.start()
@@ -149,26 +199,43 @@ class RunLock:
     def _beat(self) -> None:
         while not self._stop.wait(BEAT_S):
             try:
-                if not self._still_mine():
-                    log.warning("run dir lock %s was removed or taken over by another process; this run stops "
-                                "beating it", self.path)
-                    return
-                self.owner = _write_over(self.path, _with_beat(self.owner))
+                # Under the take-over guard: a take-over cannot land between the check and the rewrite.
+                with _guarded(self.path, self.owner) as guarded:
+                    if not guarded:
+                        continue  # a take-over under way: the next beat sees its outcome
+                    if self.check():
+                        log.error("run dir lock %s is no longer this run's: %s; every rank stops at the next step",
+                                  self.path, self.lost)
+                        return
+                    self.owner = _write_over(self.path, _with_beat(self.owner))
             except OSError as err:  # a flaky mount: the next beat tries again, and STALE_S allows ten misses
                 log.warning("could not refresh the run dir lock %s: %s", self.path, err)
 
-    def _still_mine(self) -> bool:
-        try:
-            current = read_owner(self.path)
-        except UserError:
-            return False
-        return current is not None and current.token == self.owner.token
+    def check(self) -> str:
+        """'' while the lock file is still this holder's; else who holds it now (also kept in ``lost``)."""
+        if not self.lost:
+            try:
+                self.path.read_bytes()  # only to tell a flaky mount (not evidence of another holder) from the rest
+            except FileNotFoundError:
+                pass
+            except OSError:
+                return ""
+            try:
+                current = read_owner(self.path)
+            except UserError:
+                self.lost = f"{self.path} was replaced by a file that is not a lock"
+                return self.lost
+            if current is None:
+                self.lost = f"{self.path} was removed"
+            elif current.token != self.owner.token:
+                self.lost = f"now held by {current.describe()}"
+        return self.lost
 
     def release(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-        with contextlib.suppress(OSError):
-            if self._still_mine():
+        with contextlib.suppress(OSError), _guarded(self.path, self.owner) as guarded:
+            if guarded and not self.check():  # never another holder's lock (a take-over cannot land in between)
                 self.path.unlink()
 
 
@@ -223,7 +290,7 @@ def acquire(run_dir: Path, me: Owner | None = None) -> RunLock:
         current = read_owner(path)
         if current is None:
             continue
-        if not is_dead(current, me):
+        if not is_dead(current, me, path):
             raise busy(path, current)
         if _take_over(path, current, me):
             log.warning("run dir %s: took over the lock of %s, which is no longer running", run_dir,
@@ -239,26 +306,48 @@ def busy(path: Path, current: Owner) -> UserError:
         f"run dir {path.parent} is in use by another training: {current.describe()}; two trainings in one run dir "
         "would overwrite each other's checkpoints and metrics",
         f"wait for it to end, stop it ({stop}), or choose another run.dir. A holder on another host that died "
-        f"without releasing the lock is taken over {STALE_S / 60:.0f} minutes after its last heartbeat; if you "
-        f"know it is gone, delete {path}.")
+        f"without releasing the lock is taken over once Slurm says its job has ended, else {STALE_S / 60:.0f} "
+        f"minutes after its last heartbeat; if you know it is gone, delete {path}.")
 
 
-def _take_over(path: Path, dead: Owner, me: Owner) -> bool:
-    """Replace a dead holder's lock with ours; False when another process got there first."""
+def lost_error(run_dir: Path, why: str) -> UserError:
+    """Every rank's error when the run dir's lock stopped being this training's while it ran."""
+    return UserError(
+        f"run dir {run_dir}: this training lost its lock ({why}) while it ran, so another training may be writing "
+        "the run dir; stopped without saving, so the two do not overwrite each other's checkpoints and metrics",
+        "the lock is taken over when its holder is judged dead: this run was silent for over "
+        f"{STALE_S / 60:.0f} minutes (stopped, suspended outside Slurm, a hung file system) or its Slurm job was "
+        "reported ended. Let the other training finish or stop it, then resume from the run dir's latest checkpoint.")
+
+
+@contextlib.contextmanager
+def _guarded(path: Path, me: Owner) -> Iterator[bool]:
+    """Hold the take-over guard beside ``path`` for the block (True), or False when another process holds it."""
     guard = path.with_name(path.name + GUARD_SUFFIX)
     if not _create(guard, me):
         with contextlib.suppress(OSError):
-            if time.time() - guard.stat().st_mtime > GUARD_STALE_S:
+            silent = _silent_for(guard)
+            if silent is not None and silent > GUARD_STALE_S:
                 guard.unlink()  # left by a process that died taking over: the next try may take it
-        return False
+        yield False
+        return
     try:
-        current = read_owner(path)
-        if current is None or current.token != dead.token:
-            return False  # released, or taken over by another in between
-        _write_over(path, me)
-        return True
+        yield True
     finally:
         guard.unlink(missing_ok=True)
+
+
+def _take_over(path: Path, dead: Owner, me: Owner) -> bool:
+    """Replace a dead holder's lock with ours; False when another process got there first, or the lock changed
+    since it was judged (released, taken by another, or the holder beat: alive after all)."""
+    with _guarded(path, me) as guarded:
+        if not guarded:
+            return False
+        current = read_owner(path)
+        if current is None or current != dead:
+            return False
+        _write_over(path, me)
+        return True
 
 
 @contextlib.contextmanager

@@ -2,8 +2,9 @@
 
 A signal reaches one rank, or ranks at different moments; if only that rank
 stopped, the others would wait in the next collective until the timeout. So at
-every optimizer-step boundary each rank casts (stop signal number, checkpoint due)
-and all ranks act on the all-reduced MAX, at the same step.
+every optimizer-step boundary each rank casts (stop signal number, checkpoint due, run dir lock lost)
+and all ranks act on the all-reduced MAX, at the same step. The lock is rank 0's (fault/run_lock.py): when its
+heartbeat thread finds it taken over, every rank stops with an error at the next boundary.
 
 The all-reduce is asynchronous: cast at boundary k, collected at boundary k+1,
 so its latency hides behind a step of compute instead of adding to every step.
@@ -39,6 +40,8 @@ class Verdict:
     """Largest stop signal number seen by any rank (0: none)."""
     save_due: bool
     """The time-based checkpoint interval has passed (rank 0's clock)."""
+    lock_lost: bool = False
+    """Rank 0's run dir lock is no longer its own: another training may write the run dir."""
 
 
 NOTHING = Verdict(0, False)
@@ -49,9 +52,12 @@ class StepVote:
         self.runtime = runtime
         self._pending: tuple[torch.Tensor, object] | None = None
         self._on_gpu = runtime.backend == "nccl"
+        self.run_lock = None
+        """Rank 0's RunLock (fault/run_lock.py), whose ``lost`` this rank casts; None on the other ranks."""
 
     def cast(self, stop_signal: int, save_due: bool) -> None:
-        flags = torch.tensor([_priority(stop_signal), float(save_due)])
+        lost = self.run_lock is not None and bool(self.run_lock.lost)
+        flags = torch.tensor([_priority(stop_signal), float(save_due), float(lost)])
         if not self.runtime.distributed:
             self._pending = (flags, None)
         elif self._on_gpu:
@@ -63,7 +69,7 @@ class StepVote:
         # Pinned host memory from torch's caching host allocator, which keeps a block until its copy is done.
         on_device = flags.pin_memory().to(self.runtime.device, non_blocking=True)
         dist.all_reduce(on_device, op=dist.ReduceOp.MAX, async_op=True).wait()  # the stream waits, not the host
-        back = torch.empty(2, pin_memory=True)
+        back = torch.empty(3, pin_memory=True)
         back.copy_(on_device, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
@@ -79,8 +85,8 @@ class StepVote:
             waitable.synchronize()  # the previous step's GPU work and the reduction: not the step just queued
         elif waitable is not None:
             waitable.wait()  # type: ignore[attr-defined]  # gloo: the training group's timeout applies
-        stop, due = flags.tolist()
-        return Verdict(signal.SIGINT if stop == CTRL_C else int(stop), bool(due))
+        stop, due, lost = flags.tolist()
+        return Verdict(signal.SIGINT if stop == CTRL_C else int(stop), bool(due), bool(lost))
 
 
 CTRL_C = 0.5

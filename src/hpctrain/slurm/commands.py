@@ -49,8 +49,10 @@ def submit_command(experiment: str, config_file: str | None, overrides: tuple[st
     cfg = _resolve(experiment, config_file, overrides)
     spec = job.job_spec(cfg)
     # What would fail on the nodes after the queue wait, refused here whatever --force says: a second writer of the
-    # run dir (its own job queued or running, or a training holding it), a checkpoint this config cannot resume.
-    job.refuse_busy_run_dir(Path(spec.run_dir))
+    # run dir (its own job queued or running, or a training holding it), a checkpoint this config cannot resume
+    # (its batch, its optimizer, a model whose parameters it does not fit). --force only submits when Slurm did not
+    # answer whether the run dir's job still runs.
+    job.refuse_busy_run_dir(Path(spec.run_dir), force)
     checkpoint = check_resume(cfg)
     findings = check_findings(cfg, spec, model_changes(cfg, checkpoint))
     errors = [f for f in findings if f.level == "error"]
@@ -66,18 +68,58 @@ def submit_command(experiment: str, config_file: str | None, overrides: tuple[st
 
 
 def model_changes(cfg: RunConfig, checkpoint: Path | None) -> list[lint.Finding]:
-    """[model] settings that differ from those of the checkpoint the job would resume: it would load that only after
-    its queue wait, and fail there if a parameter's shape changed. Errors that --force passes: a setting that
-    changes no shape (a dropout rate) resumes well."""
+    """[model] settings that differ from those of the checkpoint the job would resume. Local train refuses such a
+    resume only when the model's parameters no longer fit the checkpoint's (names or shapes: the strict load), and
+    so does this, before the queue wait (a UserError, which --force does not pass: the job would fail on every rank
+    at its restore). A change that leaves them alone (a dropout rate) resumes, as it does locally: a warning names
+    the keys."""
     try:
         saved = (checkpoint / "config.toml").read_text(encoding="utf-8") if checkpoint is not None else ""
     except OSError:
         return []
-    return [lint.Finding("error", key, f"is {now} here but {then} in {checkpoint}, which this job would resume",
-                         "resume with the [model] settings the run was started with (config.toml in the checkpoint), "
-                         "use a new run.dir, or pass --force if this setting changes no parameter's shape")
-            for key, then, now in flat_differences(saved, config_to_toml(cfg))
-            if key.startswith("model.") and then is not None]  # None: a key the checkpoint's hpctrain did not have
+    changed = [(key, then, now) for key, then, now in flat_differences(saved, config_to_toml(cfg))
+               if key.startswith("model.") and then is not None]  # None: a key the checkpoint's hpctrain did not have
+    if not changed:
+        return []
+    what = ", ".join(f"{key} is {now} here but {then}" for key, then, now in changed)
+    misfit, unchecked = model_misfit(cfg, checkpoint)
+    if misfit:
+        raise UserError(f"not submitted: checkpoint {checkpoint}, which this job would resume, does not fit this "
+                        f"model ({misfit}): {what} in it",
+                        "resume with the [model] settings the run was started with (config.toml in the checkpoint), "
+                        "or use a new run.dir.")
+    fits = (f"its parameters could not be compared here ({unchecked}): the job's restore checks them"
+            if unchecked else "the parameters' names and shapes are unchanged, so it resumes with the new settings")
+    return [lint.Finding("warning", "model", f"{what} in {checkpoint}, which this job would resume; {fits}",
+                         "nothing to do if the change is meant; else resume with the checkpoint's [model] settings.")]
+
+
+def model_misfit(cfg: RunConfig, checkpoint: Path) -> tuple[str, str]:
+    """(what does not fit, '') when the model this config builds has other parameter names or shapes than the
+    checkpoint's (its DCP metadata), ('', '') when they fit, ('', why) when that cannot be told here. The model is
+    built on the meta device: no memory, no weights."""
+    try:
+        import torch
+        from torch.distributed.checkpoint import FileSystemReader
+
+        from hpctrain.checkpoint.state_dicts import DCP_DIR
+        from hpctrain.experiments import resolve_experiment
+
+        metadata = FileSystemReader(str(checkpoint / DCP_DIR)).read_metadata().state_dict_metadata
+        with torch.device("meta"):
+            model = resolve_experiment(cfg.experiment)(cfg).build_model()
+        built = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    except Exception as err:  # noqa: BLE001 - an experiment that cannot build on the meta device: the job checks
+        return "", f"{type(err).__name__}: {err}"
+    saved = {key[len("model."):]: tuple(getattr(meta, "size", ()) or ())
+             for key, meta in metadata.items() if key.startswith("model.")}
+    missing, unexpected = sorted(saved.keys() - built.keys()), sorted(built.keys() - saved.keys())
+    shapes = [f"{name} {list(saved[name])} in it, {list(built[name])} here"
+              for name in sorted(saved.keys() & built.keys()) if saved[name] != built[name]]
+    parts = ([f"shape of {', '.join(shapes[:3])}"] if shapes else []) \
+        + ([f"not in this model: {', '.join(missing[:3])}"] if missing else []) \
+        + ([f"not in the checkpoint: {', '.join(unexpected[:3])}"] if unexpected else [])
+    return "; ".join(parts), ""
 
 
 def status_command(target: str) -> int:
@@ -106,15 +148,24 @@ def progress_line(run_dir: Path) -> str:
     val = [r for r in records if r["split"] == "val"]
     latest = run_dir / "checkpoints" / "latest"
     parts = [f"run {run_dir}:"]
+    step = latest_step(records)
     if train:
-        parts.append(f"step {train[-1]['step']}, train loss {train[-1].get('loss', float('nan')):.4g}")
+        at = f" at step {train[-1]['step']}" if train[-1]["step"] != step else ""
+        parts.append(f"step {step}, train loss {train[-1].get('loss', float('nan')):.4g}{at}")
     else:
-        parts.append("no training step logged yet")
+        parts.append("no training step logged yet" if step is None else f"step {step}, no train record yet")
     if val:
         parts.append(f"val at step {val[-1]['step']}: "
                      + ", ".join(f"{k} {v:.4g}" for k, v in metric_values(val[-1]).items()))
     parts.append(f"checkpoint {latest.read_text().strip()}" if latest.exists() else "no checkpoint yet")
     return " ".join(parts[:2]) + ("; " + "; ".join(parts[2:]) if len(parts) > 2 else "")
+
+
+def latest_step(records: list[dict]) -> int | None:
+    """The run's latest step: that of its newest train, stop or resume record (a stop writes no train record, so
+    that log windows stay aligned across the resume: the last train record may be steps behind)."""
+    steps = [r["step"] for r in records if r.get("split") in ("train", "stop", "resume")]
+    return steps[-1] if steps else None
 
 
 def cancel_command(target: str, signal: str) -> int:
@@ -152,14 +203,21 @@ def follow_log(path: Path, job_id: str, lines: int) -> int:
     try:
         with open(path, errors="replace") as log:
             sys.stdout.write("".join(log.readlines()[-lines:]))
-            asked = 0.0
+            asked, unanswered = 0.0, False
             while True:
                 sys.stdout.write(log.read())
                 sys.stdout.flush()
                 if time.monotonic() - asked >= FOLLOW_STATE_S:
                     asked = time.monotonic()
-                    state = job.job_fields(job_id).get("JobState", "")  # {} once Slurm forgot it: ended
-                    if not state or state in job.ENDED:
+                    try:
+                        state = job.job_fields(job_id).get("JobState", "")  # {} once Slurm forgot it: ended
+                    except job.SlurmUnanswered as err:  # says nothing about the job: follow on, ask again later
+                        if not unanswered:
+                            print(f"hpctrain: {err.args[0]}; still following, asking again", file=sys.stderr)
+                        unanswered, state = True, None
+                    else:
+                        unanswered = False
+                    if state is not None and (not state or state in job.ENDED):
                         sys.stdout.write(log.read())  # what it wrote before it ended
                         print(f"hpctrain: job {job_id} has ended ({state or 'no longer known to Slurm'})",
                               file=sys.stderr)

@@ -65,13 +65,18 @@ def slurm_command(name: str) -> str:
     return path
 
 
+class SlurmUnanswered(UserError):
+    """A Slurm command failed or timed out without an answer about the job (the controller busy or down): it says
+    nothing about whether the job runs."""
+
+
 def run_slurm(args: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
     cmd = [slurm_command(args[0])] + args[1:]
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise UserError(f"'{shlex.join(args)}' did not answer in {timeout:.0f} s",
-                        "the Slurm controller may be down or overloaded; try again, or ask your admins.") from None
+        raise SlurmUnanswered(f"'{shlex.join(args)}' did not answer in {timeout:.0f} s",
+                              "the Slurm controller may be down or overloaded; try again, or ask your admins.") from None
 
 
 def submit(script: str, run_dir: Path) -> str:
@@ -106,7 +111,8 @@ completing) may still write its run dir."""
 
 
 def live_recorded_job(run_dir: Path) -> tuple[str, str] | None:
-    """(job id, state) of a job submitted from this run dir that is still queued or running; None when none is."""
+    """(job id, state) of a job submitted from this run dir that is still queued or running; None when none is.
+    SlurmUnanswered when Slurm could not say (that is not 'ended')."""
     for job_id in reversed(recorded_jobs(run_dir)):
         state = job_fields(job_id).get("JobState", "")  # {} when Slurm forgot it: ended long ago
         if state and state not in ENDED:
@@ -114,10 +120,29 @@ def live_recorded_job(run_dir: Path) -> tuple[str, str] | None:
     return None
 
 
-def refuse_busy_run_dir(run_dir: Path) -> None:
+def job_liveness(job_id: str) -> str:
+    """'ended' (an ended state, or a job Slurm no longer knows), 'suspended', or 'live' (queued, running,
+    completing: it may still write). Raises UserError when Slurm cannot be asked or does not answer."""
+    state = job_fields(job_id).get("JobState", "")
+    if not state or state in ENDED:
+        return "ended"
+    return "suspended" if state == "SUSPENDED" else "live"
+
+
+def refuse_busy_run_dir(run_dir: Path, force: bool = False) -> None:
     """Before sbatch: a run dir whose own job is still queued or running, or that a live training holds (a local
-    one, or another cluster's job: fault/run_lock.py), gets no second writer."""
-    live = live_recorded_job(run_dir)
+    one, or another cluster's job: fault/run_lock.py), gets no second writer. When Slurm does not answer whether
+    the run dir's last job still runs, refused unless ``force`` (then said, and submitted)."""
+    try:
+        live = live_recorded_job(run_dir)
+    except SlurmUnanswered as err:
+        if not force:
+            raise UserError(f"not submitted: could not ask Slurm whether a job of run dir {run_dir} still runs: "
+                            f"{err.args[0]}", "try again in a minute (the controller may be busy); or, if you know "
+                            "no job of this run dir is queued or running, submit with --force.") from None
+        print(f"hpctrain: warning: Slurm did not say whether a job of {run_dir} still runs ({err.args[0]}); "
+              "submitting anyway (--force)", file=sys.stderr)
+        live = None
     if live is not None:
         job_id, state = live
         raise UserError(f"not submitted: run dir {run_dir} already has job {job_id} ({state}); two jobs would train "
@@ -151,10 +176,22 @@ def resolve_target(target: str) -> tuple[str, Path | None]:
     return jobs[-1], run_dir
 
 
+FORGOTTEN = "Invalid job id specified"
+"""scontrol's answer for a job it does not know (ended before MinJobAge, or never existed)."""
+
+
 def job_fields(job_id: str) -> dict[str, str]:
-    """scontrol's view of a job (pending, running, or recently ended); {} when Slurm forgot it."""
+    """scontrol's view of a job (pending, running, or recently ended); {} when Slurm forgot it ("Invalid job id
+    specified"). Any other failure (a socket timeout, the controller down) says nothing about the job:
+    SlurmUnanswered."""
     proc = run_slurm(["scontrol", "show", "job", "--oneliner", job_id])
-    return parse_scontrol_fields(proc.stdout) if proc.returncode == 0 else {}
+    if proc.returncode == 0:
+        return parse_scontrol_fields(proc.stdout)
+    said = (proc.stderr.strip() or proc.stdout.strip())
+    if FORGOTTEN.lower() in said.lower():
+        return {}
+    raise SlurmUnanswered(f"'scontrol show job {job_id}' failed: {said or f'exit code {proc.returncode}'}",
+                          "the Slurm controller may be busy or down; try again, or ask your admins.")
 
 
 _KEY = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z0-9_:/]*)=")

@@ -14,6 +14,7 @@ from pathlib import Path
 from hpctrain.errors import UserError
 from hpctrain.metrics.records import metric_values, read_metrics
 from hpctrain.slurm import job
+from hpctrain.slurm.commands import latest_step
 from hpctrain.sweep.plan import SweepPlan, read_plan
 
 STATUS_DIR = "status"
@@ -46,10 +47,9 @@ def collect_status(plan: SweepPlan) -> list[PointStatus]:
     out = []
     for p in plan.points:
         records = _records(plan.run_dir(p))
-        train = [r for r in records if r["split"] == "train"]
         val = [r for r in records if r["split"] == "val" and main in metric_values(r)]
         state, detail = slurm_states.get(p.index) or _local_state(plan, p.name)
-        out.append(PointStatus(p.name, state, train[-1]["step"] if train else None,
+        out.append(PointStatus(p.name, state, latest_step(records),
                                (main, metric_values(val[-1])[main]) if val else None, detail))
     return out
 

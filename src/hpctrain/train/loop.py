@@ -11,9 +11,11 @@ from pathlib import Path
 import torch
 
 from hpctrain.checkpoint.policy import save_due
-from hpctrain.dist.collectives import all_reduce_sums, broadcast_buffers
+from hpctrain.dist.collectives import all_reduce_sums, broadcast_buffers, broadcast_object
 from hpctrain.dist.wrap import fsdp_of, place_model
+from hpctrain.errors import on_every_rank
 from hpctrain.experiments.base import has_outputs
+from hpctrain.fault.run_lock import lost_error
 from hpctrain.fault.signals import signal_name
 from hpctrain.monitor.gpu_busy import LOADER_BOUND, StepFacts, host_bound, host_bound_advice, open_meter
 from hpctrain.train.context import TrainContext
@@ -81,6 +83,8 @@ def after_step(ctx: TrainContext, window: "_Window", epoch_ended: bool) -> tuple
     step, total, cfg, fault = ctx.state.step, ctx.total_steps, ctx.cfg, ctx.fault
     fault.heartbeat.mark("sync", step)
     verdict = fault.vote.collect()  # cast one boundary ago: the same verdict on every rank
+    if verdict.lock_lost:  # another training took the run dir: nothing more is written, no checkpoint
+        raise _lock_lost(ctx, fault.vote.run_lock.lost if fault.vote.run_lock is not None else "")
     leaving = step >= ctx.end_step
     if verdict.stop_signal and not leaving:
         return None, stop_with_checkpoint(ctx, window, verdict.stop_signal, eval_due(ctx, epoch_ended),
@@ -127,7 +131,30 @@ def validate(ctx: TrainContext) -> dict[str, float]:
     return val
 
 
+def _lock_lost(ctx: TrainContext, why: str) -> BaseException:
+    """Every rank's error for a run dir lock that rank 0 lost; ``why`` is rank 0's (the others read the lock)."""
+    if not why:
+        from hpctrain.fault.run_lock import LOCK_FILE, read_owner
+
+        try:
+            holder = read_owner(Path(ctx.cfg.run_dir) / LOCK_FILE)
+        except Exception:  # noqa: BLE001 - only for the message
+            holder = None
+        why = f"now held by {holder.describe()}" if holder is not None else "it was removed or taken over"
+    return on_every_rank(lost_error(Path(ctx.cfg.run_dir), why))
+
+
+def check_run_dir_lock(ctx: TrainContext) -> None:
+    """Collective (control plane): rank 0 reads its run dir lock right before a checkpoint; every rank raises when
+    it is no longer this run's, so no checkpoint of this run lands on another training's."""
+    lock = ctx.fault.vote.run_lock
+    why = broadcast_object(lock.check() if lock is not None else "", ctx.runtime)
+    if why:
+        raise _lock_lost(ctx, why)
+
+
 def _save(ctx: TrainContext, window: "_Window", wait: bool) -> None:
+    check_run_dir_lock(ctx)
     ctx.fault.heartbeat.mark("checkpoint")
     ctx.state.log_loss, ctx.state.log_steps = open_window(ctx, window)
     settle_skips(ctx)  # the train state's skip counts up to this step, for the resumed run

@@ -225,15 +225,16 @@ def run_training(cfg: RunConfig, runtime: Runtime, experiment: Experiment, confi
     """``layout``: the memory format chosen for this launch and why (train/layout.py), for the start-up lines.
     The run dir is locked first (one writer at a time: fault/run_lock.py), and this node's copy of the compile
     cache removed at the end (the run dir's packed one is what a later launch loads)."""
-    with hold_run_dir(Path(cfg.run_dir), runtime), \
+    with hold_run_dir(Path(cfg.run_dir), runtime) as lock, \
             node_copy_removed(Path(cfg.run_dir), runtime.device, runtime.local_rank, cfg.train.compiled):
-        return _train_holding_run_dir(cfg, runtime, experiment, config_text, layout)
+        return _train_holding_run_dir(cfg, runtime, experiment, config_text, layout, lock)
 
 
 def _train_holding_run_dir(cfg: RunConfig, runtime: Runtime, experiment: Experiment, config_text: str,
-                           layout: str) -> Outcome:
+                           layout: str, lock=None) -> Outcome:
     started = time.perf_counter()
     ctx = build_context(cfg, runtime, experiment, config_text)
+    ctx.fault.vote.run_lock = lock  # rank 0's: a lock lost while training stops every rank (loop.after_step)
     alerter = Alerter(resolve_webhook(cfg.alert), cfg.alert, cfg.run_name, cfg.run_dir, runtime.job_id, runtime.rank)
     # Installed before the (possibly long) restore: a preemption then still ends in a clean stop.
     ctx.fault.signals.install(stop_signal_names(cfg.fault.warning_signal))
