@@ -35,3 +35,89 @@ def test_a_diverged_run_skips_lists_and_stops_on_every_rank_across_a_resume(tmp_
     assert f"more than train.max_skipped_steps={LIMIT}" in second.output and "optim.lr" in second.output
     records = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["split"] == "train"]
     assert max(r["step"] for r in records) < last  # stopped there, on both ranks (no hang: the hard timeout)
+
+
+# ---- zero1 with a rank that holds no parameters ------------------------------------------------------------------
+
+def _zero1_worker(rank: int, tmp: Path, fused: bool) -> None:
+    """Five steps (gradients NaN at steps 1 and 3, set alike on both ranks as DDP's all-reduce leaves them) of a
+    one-tensor model under ZeroRedundancyOptimizer with torch's fused AdamW (a GPU's; it runs on the CPU too): one
+    rank holds the parameter, the other none and keeps an empty optimizer state. Not fused: the CPU's foreach AdamW,
+    decided on the host."""
+    import datetime
+    import json
+    import math
+    import traceback
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.optim.lr_scheduler import LambdaLR
+
+    from hpctrain.train.ema import EMA
+    from hpctrain.train.state import TrainState
+    from hpctrain.train.step import EagerStep
+
+    report: dict = {}
+    dist.init_process_group("gloo", init_method=f"file://{tmp / 'store'}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))  # a rank left waiting fails after 60 s
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1, bias=False)
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=0.1,
+                                      fused=fused or None)
+        report["holds"] = sum(len(g["params"]) for g in opt.optim.param_groups)
+        ctx = SimpleNamespace(
+            cfg=SimpleNamespace(train=SimpleNamespace(grad_clip=0.0, max_skipped_steps=5)), optimizer=opt,
+            raw_model=model, scaler=torch.amp.GradScaler("cpu", enabled=False), scheduler=LambdaLR(opt, lambda s: 1.0),
+            ema=EMA(model, 0.5), state=TrainState(), runtime=SimpleNamespace(is_main=rank == 0))
+        calls, step = [], opt.step  # after the scheduler, which wraps step() itself
+        opt.step = lambda *a, **k: calls.append(1) or step(*a, **k)  # step() broadcasts from every rank
+        stepper = EagerStep()
+        for n, grad in enumerate((1.0, math.nan, 2.0, math.nan, 3.0)):
+            model.weight.grad = torch.full_like(model.weight, grad)
+            stepper.finish(ctx, n)
+            ctx.state.step += 1
+        report |= {"step_calls": len(calls), "skipped_at": ctx.state.skipped_at, "weight": model.weight.tolist(),
+                   "ema": ctx.ema.module.weight.tolist()}
+        everyone = [None, None]
+        dist.all_gather_object(everyone, report)  # ends with every rank here: no collective left unmatched
+    except BaseException:
+        report["crash"] = traceback.format_exc()
+    finally:
+        (tmp / f"zero1_rank{rank}.json").write_text(json.dumps(report))
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
+def test_zero1_skips_a_non_finite_step_alike_on_a_rank_that_holds_no_parameters(tmp_path: Path, fused: bool):
+    """The device-flag path is chosen from what every rank shares: a rank with no parameters (an empty optimizer
+    state) must call ZeroRedundancyOptimizer.step() (its broadcasts) on a skipped step as the others do, or the
+    rank that holds the parameter waits for it: a hang at 512 ranks, here a gloo timeout. On the host path (the
+    CPU's optimizers) every rank leaves step() out of a skipped step alike."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    procs = mp.start_processes(_zero1_worker, args=(tmp_path, fused), nprocs=2, join=False, start_method="spawn")
+    try:
+        for _ in range(240):
+            if procs.join(timeout=1):
+                break
+        else:
+            pytest.fail("the 2 ranks did not finish within 240 s: a rank was left waiting in a collective")
+    finally:
+        for p in procs.processes:
+            if p.is_alive():
+                p.kill()
+    reports = [json.loads((tmp_path / f"zero1_rank{r}.json").read_text()) for r in range(2)]
+    for r in reports:
+        assert "crash" not in r, r["crash"]
+    assert sorted(r["holds"] for r in reports) == [0, 1]  # the case: one rank has nothing to step
+    # The first step is decided on the host (fused SGD's first step must not be skipped on the device); from the
+    # first applied step on, every rank steps with the flag, and the skipped steps are the same on both.
+    calls = 5 if fused else 3  # foreach: the two skipped steps call step() on no rank
+    assert [r["step_calls"] for r in reports] == [calls, calls]
+    assert reports[0]["skipped_at"] == reports[1]["skipped_at"] == [2, 4]
+    assert reports[0]["weight"] == reports[1]["weight"] and reports[0]["ema"] == reports[1]["ema"]

@@ -4,6 +4,7 @@ test_step_modes.py; the fused optimizer (a GPU's) reads a device flag, the CPU's
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from hpctrain.errors import UserError, raised_on_every_rank
 from hpctrain.experiments.base import BatchInfo
 from hpctrain.train import loop, run
-from hpctrain.train.skips import SkipLedger
+from hpctrain.train.skips import SkipLedger, flag_reader
 from hpctrain.train.state import TrainState
 from hpctrain.train.step import EagerStep, GraphedStep
 from tests.unit.test_step_modes import _context, _train, _weights, host_replay
@@ -138,3 +139,126 @@ def test_a_negative_limit_is_refused_with_what_it_means():
     with pytest.raises(UserError, match=r"train.max_skipped_steps.*must be >= 0 \(0: stop at the first step skipped"):
         _cfg("train.max_skipped_steps=-1")
     assert _cfg().train.max_skipped_steps == 20 and _cfg("train.max_skipped_steps=0").train.max_skipped_steps == 0
+
+
+# ---- which path decides: the same on every rank -----------------------------------------------------------------
+
+def test_the_device_flag_path_is_chosen_from_what_every_rank_shares_not_its_own_optimizer_state():
+    """Under zero1 a rank may hold no parameters (an empty state): it must take the path the others take, or it
+    skips ZeroRedundancyOptimizer.step() (broadcasts from every rank) while they call it (tests/dist/test_nonfinite.py
+    runs that case on 2 processes)."""
+    holder = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], fused=True)
+    holder.param_groups[0]["params"][0].grad = torch.ones(2)
+    holder.step()
+    assert holder.state  # the rank that holds the parameter
+    empty = type("Zero", (), {"optim": torch.optim.AdamW([{"params": []}], fused=True)})()  # the rank that holds none
+    assert not empty.optim.state
+    for applied in (False, True):
+        assert (flag_reader(holder, applied) is holder) == (flag_reader(empty, applied) is empty.optim) == applied
+    assert flag_reader(torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], foreach=True), True) is None
+
+
+def _notes(ctx) -> list:
+    """What the stepper's ledger is told at each step: a bool (decided on the host) or a device flag."""
+    seen: list = []
+    note = ctx.stepper.skips.note
+    ctx.stepper.skips.note = lambda c, step, skipped: seen.append(skipped) or note(c, step, skipped)
+    return seen
+
+
+def test_fused_sgd_without_momentum_skips_on_the_device_after_the_first_applied_step(tmp_path, monkeypatch, recwarn):
+    """SGD with optim.momentum=0 keeps no state at all: the rule cannot hang on the state, or every step would wait
+    for the GPU (bool of the norm). The first steps are decided on the host until one is applied (fused SGD's first
+    step creates its momentum buffers uninitialised: a skipped one on the device would keep them)."""
+    ctx = _make(tmp_path, monkeypatch, "eager-fused", "optim.name=sgd", "optim.momentum=0")
+    notes = _notes(ctx)
+    _nan_noise(monkeypatch, {0, 3})
+    _train(ctx, 5)
+    assert not ctx.optimizer.state  # nothing in it to decide by
+    kinds = [type(n).__name__ for n in notes]
+    assert kinds == ["bool", "bool", "Tensor", "Tensor", "Tensor"], kinds  # step 0 skipped, step 1 applied
+    assert ctx.state.skipped_at == [1, 4]
+    # A resumed run (a new stepper): the checkpoint's counts say a step was applied, so the device path at once ...
+    ctx.state, ctx.stepper = TrainState.from_dict(ctx.state.to_dict()), EagerStep()
+    notes = _notes(ctx)
+    _train(ctx, 1)
+    assert isinstance(notes[0], torch.Tensor)
+    # ... but not when every step before the checkpoint was skipped.
+    fresh = _make(tmp_path / "fresh", monkeypatch, "eager-fused", "optim.name=sgd", "optim.momentum=0.9")
+    _nan_noise(monkeypatch, {0, 1})
+    _train(fresh, 2)
+    fresh.state, fresh.stepper = TrainState.from_dict(fresh.state.to_dict()), EagerStep()
+    notes = _notes(fresh)
+    _train(fresh, 1)
+    assert notes == [False] and fresh.state.skipped_in_a_row == 0
+    # The skipped first steps called no optimizer.step(): torch's warning that the schedule stepped first is wrong.
+    assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]
+
+
+def test_a_graph_is_captured_only_after_a_step_has_been_applied(tmp_path, monkeypatch, caplog):
+    """The captured optimizer step needs its state made by an applied eager step (made during the capture, its
+    zero-fill would be replayed at every step): warm-up steps that were all skipped are followed by more."""
+    ctx = _make(tmp_path, monkeypatch, "graphed")  # two warm-up steps
+    eager = _make(tmp_path, monkeypatch, "eager-fused")
+    _nan_noise(monkeypatch, {0, 1})
+    with caplog.at_level(logging.INFO, logger="hpctrain"):
+        g_loss, _ = _train(ctx, 5)
+    assert "step captured as a CUDA graph at step 3" in caplog.text  # step 2 ran eagerly and was applied
+    e_loss, _ = _train(eager, 5)
+    assert g_loss[2:] == pytest.approx(e_loss[2:], rel=1e-5) and ctx.state.skipped_at == eager.state.skipped_at
+    for a, b in zip(_weights(ctx), _weights(eager)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+# ---- the EMA of a skipped step ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flag", [True, torch.tensor(1.0)], ids=["host", "device"])
+def test_a_skipped_step_keeps_the_emas_batch_norm_statistics_on_the_device_path_too(flag):
+    """The skipped step's forward made the model's running statistics NaN; weighting them by 0 would still give NaN
+    (0 x NaN), so the device flag selects the EMA's own values, as the host path does by not updating."""
+    from hpctrain.train.ema import EMA
+    from hpctrain.train.step import ema_step, ema_update
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    ema = EMA(model, 0.9)
+    ema.update_parameters(model)  # the first update (a copy)
+    model(torch.randn(4, 2))
+    ema.update_parameters(model)  # an applied step
+    kept = [t.clone() for t in ema.module.state_dict().values()]
+    model(torch.full((4, 2), math.nan))  # the skipped step's forward
+    assert model[1].running_mean.isnan().all()
+    ema_step(ema, model, flag)
+    assert all(torch.equal(a, b) for a, b in zip(ema.module.state_dict().values(), kept)), "the EMA changed"
+    assert int(ema.n_averaged) == 3
+    ema_update(ema, model, torch.tensor(0.1), torch.tensor(1.0))  # the graph's body, with its tensor weight
+    assert all(torch.equal(a, b) for a, b in zip(ema.module.state_dict().values(), kept))
+    # An applied step takes them in as the model has them (the README says so).
+    ema_update(ema, model, torch.tensor(0.1), torch.tensor(0.0))
+    assert ema.module[1].running_mean.isnan().all() and not ema.module[0].weight.isnan().any()
+
+
+# ---- fp16: GradScaler's backoffs ------------------------------------------------------------------------------------
+
+def test_an_fp16_loss_scale_backoff_is_logged_as_such_and_stops_nothing_until_the_scale_falls_below_1(
+        tmp_path, monkeypatch, caplog):
+    """GradScaler skips a step and halves its scale whenever the scaled gradient overflows (several times at the
+    start, then about once per growth interval): that is loss scaling, not divergence. Listed as skipped, logged at
+    INFO; the run stops only once the scale has fallen below 1 and the count in a row is past the limit."""
+    ctx = _make(tmp_path, monkeypatch, "eager-fused", "train.max_skipped_steps=0")
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)  # fp16's scaler (a CPU one here: the same scale logic)
+    scaler.scale(torch.ones(()))  # its scale is made at the first scale()
+    ctx.scaler = scaler
+    ledger = SkipLedger()
+    with caplog.at_level(logging.INFO, logger="hpctrain"):
+        for step, scale in ((1, 2.0), (2, 1.0)):  # two backoffs in a row, a limit of 0
+            scaler.update(scale)
+            ledger.note(ctx, step, True)
+    assert ctx.state.skipped_at == [1, 2] and ctx.state.skipped_in_a_row == 2
+    assert "step 2 skipped: fp16 loss-scale backoff (the scaled gradient overflowed), loss scale now 1" in caplog.text
+    assert "WARNING" not in caplog.text
+    scaler.update(0.5)  # the gradient overflows fp16 even unscaled, or is NaN whatever the scale: divergence
+    with pytest.raises(UserError, match=r"3 optimizer steps in a row \(steps 1-3\)"):
+        ledger.note(ctx, 3, True)
+    assert "step 3 skipped: the gradient is not finite" in caplog.text
+    ledger.note(ctx, 4, False)
+    assert ctx.state.skipped_in_a_row == 0

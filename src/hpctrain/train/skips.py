@@ -10,8 +10,10 @@ of every graphed launch follow it too, so a resumed graphed run trains as an uni
 The decision is the same on every rank without a collective of its own: the norm is of the all-reduced gradients
 (DDP, ZeRO-1) or reduced over the shards (FSDP), as for clipping. Where the optimizer takes a device flag (torch's
 fused AdamW and SGD read ``found_inf``, as GradScaler uses them) the step is skipped on the device and the host reads
-the flag two steps late, when the GPU has finished that step anyway: no wait in the hot path. Elsewhere (the CPU's
-foreach optimizers, an optimizer without fused kernels) the host reads the flag at once and does not call step().
+the flag two steps late, when the GPU has finished that step anyway: no wait in the hot path; that starts after the
+run's first applied step (flag_reader says why). Elsewhere (the CPU's foreach optimizers, an optimizer without fused
+kernels, and a fused one until a step has been applied) the host reads the flag at once and does not call step().
+Which of the two is decided alike on every rank, so under zero1 either every rank calls step() or none does.
 """
 
 from __future__ import annotations
@@ -25,19 +27,40 @@ from hpctrain.errors import UserError, on_every_rank
 
 log = logging.getLogger("hpctrain")
 
+LOSS_SCALE_FLOOR = 1.0
+"""Under fp16, a skipped step whose GradScaler loss scale is still at or above this after its backoff is loss
+scaling at work (the scaled gradient overflowed; GradScaler halves the scale and goes on: several times at the start,
+then about once per growth interval): logged at INFO, and no stop for train.max_skipped_steps while the scale is
+there (the skips still count in a row). Below it the gradient overflows fp16 even unscaled, or is NaN whatever the
+scale (each skip halves it: from GradScaler's 2**16, the 17th skip in a row goes below 1): a warning, and the limit
+stops the run."""
+
 LAG = 2
 """Steps between a device flag's step and its read on the host: the GPU has finished that step by then (the graphed
 step's MAX_AHEAD), so the read waits for nothing the host could otherwise queue."""
 
 
-def flag_reader(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
+def flag_reader(optimizer: torch.optim.Optimizer, applied: bool) -> torch.optim.Optimizer | None:
     """The optimizer that skips its own update on a device flag (``found_inf``), or None where the host must decide.
 
-    torch's fused kernels read the flag; ZeRO-1 steps its partition with the inner optimizer. Not on the first step:
-    torch's fused SGD creates its momentum buffers uninitialised there and a skipped first step would keep them."""
+    Decided from facts that are the same on every rank, never from this rank's own optimizer state: under zero1 a
+    rank may hold no parameters (more ranks than parameter tensors) and keeps an empty state, and a rank on the host
+    path skips a step by not calling ZeroRedundancyOptimizer.step(), whose parameter broadcasts the other ranks would
+    then wait for. So: the optimizer class takes ``found_inf`` and every group is fused (torch's fused AdamW and SGD;
+    ZeRO-1 steps its partition with its inner optimizer, one with no parameters ignores the flag and still
+    broadcasts), and ``applied``: a step of this run has updated the weights (:func:`applied_before`). Before that,
+    the host decides: torch's fused SGD creates its momentum buffers uninitialised on its first step and a skipped
+    first step would keep them, and a fused SGD without momentum never creates any state at all."""
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's own optimizer
     fused = getattr(inner, "_step_supports_amp_scaling", False) and all(g.get("fused") for g in inner.param_groups)
-    return inner if fused and inner.state else None
+    return inner if fused and applied else None
+
+
+def applied_before(state) -> bool:
+    """Whether a step before this one was applied (not skipped), from the train state, the same on every rank: the
+    last ``skipped_in_a_row`` steps were skipped and the one before them (if any) was applied. Read when a stepper
+    starts (a resumed run: the checkpoint's counts are settled), when no device flag is pending."""
+    return getattr(state, "step", 0) > getattr(state, "skipped_in_a_row", 0)
 
 
 def not_finite(norm: torch.Tensor) -> torch.Tensor:
@@ -92,12 +115,26 @@ class SkipLedger:
             return
         state.skipped_at.append(step)
         state.skipped_in_a_row += 1
+        scale = loss_scale(ctx)
+        if scale is not None and scale >= LOSS_SCALE_FLOOR:  # GradScaler at work: never a stop
+            if ctx.runtime.is_main:
+                log.info("step %d skipped: fp16 loss-scale backoff (the scaled gradient overflowed), loss scale now "
+                         "%g", step, scale)
+            return
         if ctx.runtime.is_main:
             log.warning("step %d skipped: the gradient is not finite (inf or NaN); weights, optimizer state and EMA "
                         "unchanged (%d in a row)", step, state.skipped_in_a_row)
         limit = ctx.cfg.train.max_skipped_steps
         if state.skipped_in_a_row > limit:
             raise too_many(state.skipped_in_a_row, step, limit)
+
+
+def loss_scale(ctx) -> float | None:
+    """GradScaler's loss scale under fp16 (None without loss scaling). Read only for a skipped step, when the host
+    reads its flag: get_scale() waits for the GPU, rare enough there. Read up to two steps late (a device flag), it
+    may include those steps' backoffs (they were skipped too) or a growth."""
+    scaler = getattr(ctx, "scaler", None)
+    return scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
 
 
 def too_many(in_a_row: int, step: int, limit: int) -> UserError:

@@ -25,6 +25,7 @@ import collections
 import contextlib
 import logging
 import time
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
 
@@ -38,14 +39,15 @@ from hpctrain.errors import UserError
 from hpctrain.experiments.base import BatchInfo, call_train_loss
 from hpctrain.train.device import to_device
 from hpctrain.train.precision import Precision
-from hpctrain.train.skips import SkipLedger, flag_reader, not_finite
+from hpctrain.train.skips import SkipLedger, applied_before, flag_reader, not_finite
 
 log = logging.getLogger("hpctrain")
 
 WARMUP_STEPS = 11
 """Eager steps each launch runs before capturing (torch's CUDA notes: at least 11 under DDP, for its bucket
 rebuilding; they also create the optimizer state, the cuDNN/cuBLAS handles and, with train.compile, the compiled
-kernels, none of which may be created during capture). They are real training steps, not thrown away."""
+kernels, none of which may be created during capture). They are real training steps, not thrown away. If every
+one of them was skipped for a non-finite gradient, eager steps go on until one is applied (train/skips.py)."""
 MAX_AHEAD = 2
 """Replays the host may enqueue before the GPU has finished them: heartbeats then mean the GPU is progressing (a
 hung kernel stops the host within two steps), and the host cannot run arbitrarily far ahead of a slow GPU."""
@@ -149,6 +151,10 @@ class EagerStep:
         would otherwise see another autocast state there, and recompile during the capture)."""
         self.skips = SkipLedger()
         """The steps skipped for a non-finite gradient (train/skips.py), read by the train record."""
+        self.applied: bool | None = None
+        """A step of this run has updated the weights (not skipped), the same on every rank: from then on a fused
+        optimizer skips on a device flag (skips.flag_reader). None until the first step reads it from the train
+        state (a resumed run's, from its checkpoint)."""
 
     def __call__(self, ctx, batches: Iterator, window) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One optimizer step over grad_accum micro-batches; returns this rank's mean loss (on device, no sync)."""
@@ -168,7 +174,10 @@ class EagerStep:
 
     def finish(self, ctx, step: int) -> torch.Tensor | None:
         """apply_gradients, its skip noted; returns the gradient norm when clipping."""
-        norm, skipped = apply_gradients(ctx)
+        if self.applied is None:
+            self.applied = applied_before(ctx.state)
+        norm, skipped = apply_gradients(ctx, device_flag=self.applied)
+        self.applied = self.applied or skipped is False  # a host decision, read on every rank alike
         self.skips.note(ctx, step + 1, skipped)
         return norm
 
@@ -219,15 +228,16 @@ def gradient_sync(model: torch.nn.Module, last: bool) -> contextlib.AbstractCont
     return contextlib.nullcontext() if last or ddp is None else ddp.no_sync()
 
 
-def apply_gradients(ctx) -> tuple[torch.Tensor | None, torch.Tensor | bool]:
+def apply_gradients(ctx, device_flag: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | bool]:
     """Clip, step, zero, schedule, average: what follows the backward passes. Returns the gradient norm when
     clipping (on device, no sync) and whether the step was skipped for a non-finite gradient (train/skips.py: a
-    device flag where the optimizer reads one, else a bool read on the host)."""
+    device flag where the optimizer reads one and ``device_flag`` (a step of this run has been applied), else a bool
+    read on the host). Every rank takes the same path: under zero1 every rank calls step() or none does."""
     clip = ctx.cfg.train.grad_clip
     if clip > 0:
         ctx.scaler.unscale_(ctx.optimizer)  # clip the true gradient, not the fp16-scaled one
     norm = global_grad_norm(ctx, clip)
-    reader = flag_reader(ctx.optimizer)
+    reader = flag_reader(ctx.optimizer, device_flag)
     skipped: torch.Tensor | bool = not_finite(norm) if reader is not None else not bool(torch.isfinite(norm))
     if ctx.scaler.is_enabled():
         ctx.scaler.step(ctx.optimizer)  # fp16: GradScaler skips on its own check of the same gradients
@@ -241,7 +251,13 @@ def apply_gradients(ctx) -> tuple[torch.Tensor | None, torch.Tensor | bool]:
         ctx.optimizer.step()
     ctx.scaler.update()
     ctx.optimizer.zero_grad(set_to_none=True)
-    ctx.scheduler.step()  # a skipped step is a step: the schedule moves on, as under GradScaler and in a graph
+    # A skipped step is a step: the schedule moves on, as under GradScaler and in a graph.
+    if skipped is True:  # optimizer.step() not called: torch's warning about the order would be wrong here
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+            ctx.scheduler.step()
+    else:
+        ctx.scheduler.step()
     if ctx.ema is not None:
         ema_step(ctx.ema, ctx.raw_model, skipped)
     return (norm if clip > 0 else None), skipped
@@ -262,8 +278,8 @@ def ema_step(ema, model: torch.nn.Module, skipped: torch.Tensor | bool) -> None:
     if skipped is False or int(ema.n_averaged) == 0:
         ema.update_parameters(model)  # the first update copies the model, which a skipped step left as it was
         return
-    if skipped is not True:  # a device flag: the weight (1 - decay) becomes 0 on the device, no host read
-        ema_update(ema, model, (1 - skipped) * (1 - ema.decay))
+    if skipped is not True:  # a device flag: the EMA keeps its values where it is 1, no host read
+        ema_update(ema, model, 1 - ema.decay, skipped)
     ema.n_averaged += 1
 
 
@@ -427,8 +443,11 @@ class GraphedStep:
             return self.eager(ctx, batches, window)
         if self.graph is None:
             window.disturbed = True  # warm-up steps and the capture: not the replayed step's GPU time
-            if self.warmup_left > 0:
-                self.warmup_left -= 1
+            if self.warmup_left > 0 or not self.eager.applied:
+                # Captured only after a step has been applied: the optimizer state the graph steps must exist
+                # (made in the capture, its zero-fill would be replayed every step), and so must fused SGD's
+                # initialised momentum. A run whose first steps are all skipped warms up until one is applied.
+                self.warmup_left = max(0, self.warmup_left - 1)
                 with self.graph_class.side_stream(self):
                     return self.eager(ctx, batches, window)
         step = ctx.state.step
@@ -565,7 +584,7 @@ class GraphedStep:
         self.found_inf.copy_(not_finite(norm))
         ctx.optimizer.step()
         if ctx.ema is not None:
-            ema_update(ctx.ema, ctx.raw_model, self.ema_weight * (1 - self.found_inf))
+            ema_update(ctx.ema, ctx.raw_model, self.ema_weight, self.found_inf)
 
     # -- every step --------------------------------------------------------------------------------------------
 
@@ -654,24 +673,33 @@ def release_step(ctx) -> None:
 
 
 @torch.no_grad()
-def ema_update(ema, model: torch.nn.Module, weight: torch.Tensor) -> None:
+def ema_update(ema, model: torch.nn.Module, weight: torch.Tensor | float, skipped: torch.Tensor | None = None) -> None:
     """EMA.update_parameters' lerp with the weight (1 - decay) in a device tensor, so a captured update reads it
-    at every replay (a Python float would be frozen into the graph)."""
+    at every replay (a Python float would be frozen into the graph). ``skipped`` (a device flag, 1.0 for a skipped
+    step): the EMA keeps its values, selected with torch.where, not weighted by 0: the skipped step's forward may have
+    made the model's batch-norm statistics NaN, and 0 x NaN is NaN. The parameters need no select (one kernel per
+    tensor on the host's path): a skipped step left the model's as they were, the ones the EMA already took in."""
     import itertools
 
     from hpctrain.train.ema import _local
 
-    mine = [_local(t) for t in itertools.chain(ema.module.parameters(), ema.module.buffers())]
-    theirs = [_local(t) for t in itertools.chain(model.parameters(), model.buffers())]
-    floats = [(a, b) for a, b in zip(mine, theirs, strict=True) if a.is_floating_point()]
+    if skipped is not None:
+        weight = weight * (1 - skipped)
+    params = [(_local(a), _local(b)) for a, b in zip(ema.module.parameters(), model.parameters(), strict=True)]
+    buffers = [(_local(a), _local(b)) for a, b in zip(ema.module.buffers(), model.buffers(), strict=True)]
+    floats = [(a, b) for a, b in params if a.is_floating_point()]
     if floats:
         ema_t, cur_t = [a for a, _ in floats], [b for _, b in floats]
         delta = torch._foreach_sub(cur_t, ema_t)
         torch._foreach_mul_(delta, weight)
         torch._foreach_add_(ema_t, delta)
-    for a, b in zip(mine, theirs, strict=True):
-        if not a.is_floating_point():
-            a.copy_(a * (1 - weight) + b * weight)  # eager's formula, truncated by the copy into the integer buffer
+    keep = None if skipped is None else skipped.bool()
+    for a, b in itertools.chain(((a, b) for a, b in params if not a.is_floating_point()), buffers):
+        if a.is_floating_point():
+            new = a + (b - a) * weight
+        else:
+            new = a * (1 - weight) + b * weight  # eager's formula, truncated by the copy into the integer buffer
+        a.copy_(new if keep is None else torch.where(keep, a, new))
 
 
 def build_step(choice: StepChoice) -> EagerStep | GraphedStep:
