@@ -337,9 +337,10 @@ def main(argv: list[str] | None = None, cfg=None, threads: LauncherThreads | Non
         signal.signal(sig, _forward)
     signal.signal(signal.SIGINT, _Interrupts.handle)
     try:
-        # monitors: if asked for; workers forked from this process where no CUDA device is visible
-        with agent_environment(os.path.join(error_dir, "error.json")), node_monitors(), \
-                forked_workers(fork_refusal() is None, _worker_entry, WORKER_IMPORTS, threads):
+        # workers forked from this process where no CUDA device is visible and no thread forbids it (checked before
+        # the monitors' reader threads start: those are the launcher's own); monitors: if asked for
+        with agent_environment(os.path.join(error_dir, "error.json")), \
+                forked_workers(fork_refusal() is None, _worker_entry, WORKER_IMPORTS, threads), node_monitors():
             torchrun(argv)
     except ChildFailedError as err:
         return report(err, cfg if cfg is not None or not as_program else _run_config())

@@ -204,6 +204,57 @@ def test_the_launcher_starts_no_openmp_team_and_sees_one_that_user_code_started(
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 
+PLAIN_SCRIPT = """
+import threading, torch
+from hpctrain.dist import forked_workers as fw
+before = fw.quiet_launcher()
+assert before.unexplained == 0 and not before.python, (before, fw.openblas_server_threads())
+assert fw.thread_refusal(before) is None, fw.thread_refusal(before)
+threading.Thread(target=threading.Event().wait, args=(60,), name="prefetcher", daemon=True).start()  # at the import
+assert "Python thread(s) 'prefetcher' started at the import" in fw.thread_refusal(before), fw.thread_refusal(before)
+print("ok")
+"""
+
+PLUGIN_SCRIPT = """
+import threading, torch
+(torch.randn(4_000_000) * 2).sum()  # a plugin's tensor op before hpctrain runs: OpenMP's team starts
+threading.Thread(target=threading.Event().wait, args=(60,), name="plugin", daemon=True).start()
+from hpctrain.dist import forked_workers as fw
+before = fw.quiet_launcher()
+assert before.unexplained >= 1, (before, fw.openblas_server_threads())  # the team's threads besides the caller
+assert "more than numpy's OpenBLAS keeps" in fw.thread_refusal(before), fw.thread_refusal(before)
+import dataclasses
+before = dataclasses.replace(before, unexplained=0)
+assert "Python thread(s) 'plugin' were running before" in fw.thread_refusal(before), fw.thread_refusal(before)
+plugin = next(t for t in threading.enumerate() if t.name == "plugin")
+assert fw.thread_refusal(before, frozenset({plugin})) is None  # one hpctrain's own imports started
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("omp", ["unset", "1", "2"])
+def test_a_plain_launcher_forks_and_one_with_a_python_thread_from_user_code_does_not(omp):
+    """What a plain `import torch` leaves (numpy's OpenBLAS server: one thread fewer than its count) is no reason
+    to refuse; a Python thread that user code started at its import is: a lock it holds at the fork stays held."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env.update({} if omp == "unset" else {"OMP_NUM_THREADS": omp})
+    result = subprocess.run([sys.executable, "-c", PLAIN_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_an_openmp_team_or_a_python_thread_from_before_quiet_launcher_refuses_the_fork():
+    """A sitecustomize or .pth plugin that ran a tensor op (OMP_NUM_THREADS=2) left an OpenMP team before
+    quiet_launcher could keep it from starting: its threads were taken as known ones, and the workers hung."""
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    result = subprocess.run([sys.executable, "-c", PLUGIN_SCRIPT], env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
 def test_a_forked_worker_without_omp_num_threads_gets_the_launchers_count_from_before_quiet_launcher(tmp_path):
     state = tmp_path / "threads.json"
 

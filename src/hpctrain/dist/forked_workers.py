@@ -12,8 +12,8 @@ Python would have.
 
 Torch's own Popen stays where a fork would be unsafe or is not ours to make: with a CUDA device visible (CUDA's
 state cannot cross a fork, and the launcher may have touched it), a command that is not `python -u -m hpctrain`
-(numactl wrapping, another program), HPCTRAIN_WORKER_START=exec, or native threads the launcher started after
-quiet_launcher (below). torch gives no hook for this: we replace its module-level handler factory for the launch
+(numactl wrapping, another program), HPCTRAIN_WORKER_START=exec, or threads in the launcher that a fork would
+inherit half (below). torch gives no hook for this: we replace its module-level handler factory for the launch
 (checked to exist with parameters the replacement accepts, else torchrun's own is used and the launcher says so).
 
 OpenMP. torch's CPU build uses GNU OpenMP, which is not fork-safe: a fork inherits the parent's thread team as
@@ -23,8 +23,12 @@ starts that team whenever OMP_NUM_THREADS > 1. So the launcher runs on one intra
 user code (quiet_launcher: no team is ever started, the import's own ops run serially), each worker sets its threads
 as a new Python would, and right before the launch the launcher checks that nothing since has started native threads
 or raised its thread count (user code calling torch.set_num_threads, a library's own pool): then every worker starts
-as a new Python and the launcher says why, once. Threads that were there before (numpy's OpenBLAS server, which
-stops itself around a fork: its pthread_atfork handler, checked here) and those torchrun starts during the launch (its store's) are not user code's.
+as a new Python and the launcher says why, once. The same where code that ran before quiet_launcher (a sitecustomize
+or .pth plugin) left more native threads than numpy's OpenBLAS server keeps (which stops itself around a fork: its
+pthread_atfork handler, checked here): an OpenMP team may be among them. And the same for a Python thread that
+hpctrain and torch did not start (a plugin's, or one the experiment's module started at its import): a lock it holds
+at the fork stays held in every worker. Those torchrun starts during the launch (its store's, its rendezvous
+keep-alive) and the node monitors' are the launcher's own.
 """
 
 from __future__ import annotations
@@ -62,12 +66,17 @@ def fork_refusal(environ: dict[str, str] | None = None) -> str | None:
 
 @dataclass(frozen=True)
 class LauncherThreads:
-    """The launcher's threads from before it ran any user code (quiet_launcher)."""
+    """The launcher's threads from before it imported the experiment's module (quiet_launcher)."""
 
     native: frozenset[int]
     """Ids of the threads then that Python's threading does not know (numpy's OpenBLAS server, for one)."""
     intra_op: int
     """torch's intra-op threads then: what a worker without OMP_NUM_THREADS gets, as a new Python would."""
+    unexplained: int = 0
+    """How many of ``native`` numpy's OpenBLAS server does not account for: an OpenMP team that code run before
+    (a sitecustomize or .pth plugin, a tensor op) started may be among them, and a fork would inherit it."""
+    python: frozenset[threading.Thread] = frozenset()
+    """Python threads then besides the main one (a plugin's): not hpctrain's or torchrun's."""
 
 
 def quiet_launcher() -> LauncherThreads:
@@ -75,9 +84,45 @@ def quiet_launcher() -> LauncherThreads:
     import of the user's module starts no OpenMP team for the workers to inherit (module docstring)."""
     import torch
 
-    before = LauncherThreads(native_threads(), torch.get_num_threads())
+    native = native_threads()
+    before = LauncherThreads(native, torch.get_num_threads(), max(0, len(native) - openblas_server_threads()),
+                             frozenset(python_threads()))
     torch.set_num_threads(1)
     return before
+
+
+def python_threads() -> list[threading.Thread]:
+    """This process's Python threads but the main one."""
+    return [t for t in threading.enumerate() if t is not threading.main_thread()]
+
+
+def openblas_server_threads() -> int:
+    """The threads the OpenBLAS libraries loaded here (numpy's) start when they load: a pthreads build keeps one
+    fewer than its thread count waiting (none with OMP_NUM_THREADS=1 or one core), and stops them around a fork
+    (its pthread_atfork handler); an OpenMP or serial build keeps none. What a plain ``import torch`` leaves."""
+    import ctypes
+
+    total = 0
+    for path in _loaded_libraries("openblas"):
+        try:
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        except OSError:
+            continue
+        names = [f"{prefix}openblas_get_%s{suffix}" for prefix in ("", "scipy_") for suffix in ("", "64_")]
+        count = next((f() for f in (getattr(lib, n % "num_threads", None) for n in names) if f is not None), 1)
+        parallel = next((f() for f in (getattr(lib, n % "parallel", None) for n in names) if f is not None), 1)
+        total += max(0, count - 1) if parallel == 1 else 0
+    return total
+
+
+def _loaded_libraries(name: str) -> set[str]:
+    """Paths of the shared libraries mapped into this process whose file name holds ``name``."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split(maxsplit=5)[-1].strip() for line in maps if "/" in line}
+    except OSError:  # pragma: no cover - no procfs
+        return set()
+    return {p for p in paths if name in os.path.basename(p).lower() and ".so" in os.path.basename(p)}
 
 
 def native_threads() -> frozenset[int]:
@@ -89,17 +134,36 @@ def native_threads() -> frozenset[int]:
     return frozenset(tasks - {t.native_id for t in threading.enumerate()})
 
 
-def thread_refusal(before: LauncherThreads) -> str | None:
-    """Why a fork of the launcher is unsafe now (user code started threads it would inherit half), or None."""
+OPENMP_HANG = "a fork could inherit an OpenMP team without its threads and hang at its first parallel op"
+
+
+def thread_refusal(before: LauncherThreads, ours: frozenset[threading.Thread] = frozenset()) -> str | None:
+    """Why a fork of the launcher is unsafe now, or None: threads that user code (or code before hpctrain) started,
+    which a fork would inherit half. ``ours``: Python threads that hpctrain's own imports started (torch's, for the
+    workers' modules). Called right before torchrun starts: from then on only torchrun's and hpctrain's code runs
+    in the launcher, so the threads a fork meets beyond these are theirs (torchrun's rendezvous keep-alive, the
+    node monitors' readers)."""
     import torch
 
     if torch.get_num_threads() != 1:
         return (f"code the launcher ran set torch's intra-op threads to {torch.get_num_threads()} "
-                "(torch.set_num_threads at the import of the experiment's module?)")
+                f"(torch.set_num_threads at the import of the experiment's module?): {OPENMP_HANG}")
+    if before.unexplained:
+        return (f"{before.unexplained} native thread(s) more than numpy's OpenBLAS keeps were running before the "
+                f"launcher imported the experiment's module (an OpenMP team a sitecustomize or .pth plugin started?): "
+                f"{OPENMP_HANG}")
     started = native_threads() - before.native
     if started:
         return (f"{len(started)} native thread(s) started in the launcher since it imported the experiment's module "
-                "(an OpenMP team or another library's thread pool)")
+                f"(an OpenMP team or another library's thread pool): {OPENMP_HANG}")
+    others = [t for t in python_threads() if t not in ours]
+    if others:
+        names = ", ".join(sorted(repr(t.name) for t in others))
+        when = ("were running before the launcher imported the experiment's module (a sitecustomize or .pth "
+                "plugin's?)" if all(t in before.python for t in others) else
+                "started at the import of the experiment's module or before")
+        return (f"Python thread(s) {names} {when}: a lock one of them holds at the fork stays held in every worker, "
+                "which then hangs on it")
     return None
 
 
@@ -109,7 +173,8 @@ def forked_workers(enabled: bool, entry: Callable[[], Any], preimport: Sequence[
     """Within: torchrun's local workers (``python -u -m hpctrain ...``) are forks of this process that call
     ``entry`` (what ``python -m hpctrain`` runs; it reads sys.argv and ends the process) after importing the modules
     ``preimport`` names here, once for all of them; ``threads``: quiet_launcher's record, checked after those imports
-    (None: not checked). Yields whether the fork path is in place."""
+    (None: not checked). Entered right before torchrun starts, and before the launcher starts threads of its own
+    (the node monitors'). Yields whether the fork path is in place."""
     api = _torch_api() if enabled else None
     if api is None:
         if enabled:
@@ -117,12 +182,13 @@ def forked_workers(enabled: bool, entry: Callable[[], Any], preimport: Sequence[
                   "replacement accepts; its workers start as new Pythons", file=sys.stderr)
         yield False
         return
+    present = set(threading.enumerate())
     for name in preimport:
         importlib.import_module(name)
-    refusal = thread_refusal(threads) if threads is not None else None
+    ours = frozenset(t for t in threading.enumerate() if t not in present)  # torch's and hpctrain's imports'
+    refusal = thread_refusal(threads, ours) if threads is not None else None
     if refusal:
-        print(f"hpctrain: the workers start as new Pythons, not as forks of the launcher: {refusal}; a fork could "
-              "inherit an OpenMP team without its threads and hang at its first parallel op", file=sys.stderr)
+        print(f"hpctrain: the workers start as new Pythons, not as forks of the launcher: {refusal}", file=sys.stderr)
         yield False
         return
     intra_op = threads.intra_op if threads is not None else 0
