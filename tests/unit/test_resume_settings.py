@@ -160,3 +160,27 @@ def test_an_ema_turned_off_at_a_resume_says_its_weights_are_not_carried(tmp_path
     _save_and_resume(tmp_path, 0.9, 0.0, caplog)
     assert "holds EMA weights, but optim.ema_decay=0: they are not carried on" in caplog.text
     assert "resume with optim.ema_decay>0 to keep them" in caplog.text
+
+
+def test_a_torn_config_toml_gives_no_lines_and_no_refusal(tmp_path: Path):
+    """Not UTF-8 (a torn write): changed_since raised UnicodeDecodeError in the resume's log, after the restore, and
+    the preflight's check raised it before launch; neither may stop a resume. Not TOML: the same."""
+    from hpctrain.checkpoint.manager import changed_settings
+
+    after = config_to_toml(_config("optim.lr=0.1"))
+    for torn in (b"\xff\xfe[optim]\nlr = 0.\x80", b"[optim\nname = 'sgd'"):
+        (tmp_path / "config.toml").write_bytes(torn)
+        assert changed_since(tmp_path, after, step=10) == []
+        refuse_fixed_changes(tmp_path, _config("optim.name=sgd"))
+        assert changed_settings(tmp_path, after) == ""
+
+
+def test_where_the_run_is_and_how_it_was_launched_are_not_changed_settings(tmp_path: Path):
+    """A resume from another path (run.dir, ckpt.resume), a chunk's own train.stop_at_step and a job with more time
+    say nothing about what the run trains: the log listed them beside optim.lr."""
+    before = config_to_toml(_config("run.dir=/old/run", "train.stop_at_step=100", "slurm.time=01:00:00"))
+    after = config_to_toml(_config("run.dir=/new/run", "ckpt.resume=/old/run/checkpoints/step_00000100",
+                                   "train.stop_at_step=200", "slurm.time=04:00:00", "run.name=again",
+                                   "log.progress=off", "alert.format=slack", "optim.lr=0.1", "run.seed=3"))
+    assert changed_lines(before, after, step=100) == ["optim.lr: 0.003 -> 0.1 from step 100",
+                                                      "run.seed: 0 -> 3 from step 100"]

@@ -618,13 +618,12 @@ def _fit(load: Callable[[], None], path: Path, config_text: str) -> None:
 def changed_settings(path: Path, config_text: str) -> str:
     """'model.hidden is 8 here but 16 in the checkpoint; ' for the settings of this run that differ from those the
     checkpoint was saved with (its config.toml), [model] first; '' when they cannot be compared."""
-    from hpctrain.config.load import flat_differences
+    from hpctrain.train.resume_settings import saved_config, setting_changes
 
-    try:
-        saved = (path / "config.toml").read_text(encoding="utf-8")
-    except OSError:
+    saved = saved_config(path)
+    if saved is None:
         return ""
-    changed = flat_differences(saved, config_text)
+    changed = setting_changes(saved, config_text)
     changed.sort(key=lambda item: (not item[0].startswith("model."), item[0]))
     if not changed:
         return ""

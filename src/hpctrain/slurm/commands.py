@@ -73,9 +73,10 @@ def model_changes(cfg: RunConfig, checkpoint: Path | None) -> list[lint.Finding]
     so does this, before the queue wait (a UserError, which --force does not pass: the job would fail on every rank
     at its restore). A change that leaves them alone (a dropout rate) resumes, as it does locally: a warning names
     the keys."""
-    try:
-        saved = (checkpoint / "config.toml").read_text(encoding="utf-8") if checkpoint is not None else ""
-    except OSError:
+    from hpctrain.train.resume_settings import saved_config
+
+    saved = saved_config(checkpoint) if checkpoint is not None else None
+    if saved is None:  # none, or unreadable (a torn write): the job's restore verifies the checkpoint
         return []
     changed = [(key, then, now) for key, then, now in flat_differences(saved, config_to_toml(cfg))
                if key.startswith("model.") and then is not None]  # None: a key the checkpoint's hpctrain did not have

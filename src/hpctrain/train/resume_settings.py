@@ -7,8 +7,15 @@ length at that step; the optimizer's moments and step counts, the scheduler's st
 checkpoint's. A checkpoint's optimizer state holds its param_groups (lr, betas, weight_decay, ...) too, and
 LambdaLR's state its base rates: loaded as they are, they overrode the config while config.toml said otherwise.
 
+An EMA turned on at a resume (optim.ema_decay from 0) starts from the restored weights; one turned off is not
+carried on (checkpoint/manager.py logs both).
+
 The optimizer itself (optim.name) cannot change: its state belongs to it (AdamW's moments are no SGD momentum).
 A change is refused before any process starts, naming the key, as a changed model or global batch is.
+
+The resume's log names each setting that differs from the checkpoint's config.toml, except BOOKKEEPING keys. A
+config.toml that cannot be read (missing, not UTF-8, not TOML: a torn write) gives no lines and no check here:
+these compare settings, they are never a reason to stop a resume.
 """
 
 from __future__ import annotations
@@ -25,6 +32,11 @@ from hpctrain.errors import UserError
 
 FIXED = ("optim.name",)
 """Keys a resume cannot change: what the checkpoint's tensors are the state of."""
+
+BOOKKEEPING = ("run.dir", "run.name", "ckpt.resume", "train.stop_at_step", "log.progress", "slurm.", "alert.")
+"""Keys (or sections, ending in '.') that say where a run is and how a launch is started or watched, not what it
+trains: a resume from another path, each chunk's own train.stop_at_step, a job with more time are not changed
+settings of the run."""
 
 
 def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -55,8 +67,8 @@ def refuse_fixed_changes(checkpoint: Path, cfg: RunConfig) -> None:
     calls this before any process starts). A checkpoint without a readable config.toml is not checked here; its
     load fails with the names it misses."""
     try:
-        saved = tomllib.loads((checkpoint / "config.toml").read_text(encoding="utf-8"))
-    except (OSError, tomllib.TOMLDecodeError):
+        saved = tomllib.loads(saved_config(checkpoint) or "")
+    except tomllib.TOMLDecodeError:
         return
     for key in FIXED:
         section, name = key.split(".")
@@ -69,21 +81,32 @@ def refuse_fixed_changes(checkpoint: Path, cfg: RunConfig) -> None:
                 "resumed step), or start a new run (another run.dir).")
 
 
+def saved_config(checkpoint: Path) -> str | None:
+    """The checkpoint's config.toml; None when it cannot be read (missing, unreadable, not UTF-8)."""
+    try:
+        return (checkpoint / "config.toml").read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def setting_changes(saved_text: str, config_text: str) -> list[tuple[str, Any, Any]]:
+    """(key, saved value, this launch's) for each setting that differs, BOOKKEEPING keys left out; none when either
+    text is not TOML."""
+    return [(key, then, now) for key, then, now in flat_differences(saved_text, config_text)
+            if not any(key == k or (k.endswith(".") and key.startswith(k)) for k in BOOKKEEPING)]
+
+
 def changed_lines(saved_text: str, config_text: str, step: int) -> list[str]:
     """One line per setting that differs from the checkpoint's config.toml, for the resume's log:
     'optim.lr: 0.002 -> 0.1 from step 10'."""
     return [f"{key}: {_show(then)} -> {_show(now)} from step {step}"
-            for key, then, now in flat_differences(saved_text, config_text)]
+            for key, then, now in setting_changes(saved_text, config_text)]
 
 
 def changed_since(checkpoint: Path, config_text: str, step: int) -> list[str]:
-    """changed_lines against the checkpoint's config.toml; none when it cannot be read (the log line is a courtesy,
-    not a reason to stop a resume)."""
-    try:
-        saved = (checkpoint / "config.toml").read_text(encoding="utf-8")
-    except OSError:
-        return []
-    return changed_lines(saved, config_text, step)
+    """changed_lines against the checkpoint's config.toml; none when it cannot be read."""
+    saved = saved_config(checkpoint)
+    return [] if saved is None else changed_lines(saved, config_text, step)
 
 
 def _show(value: Any) -> str:
