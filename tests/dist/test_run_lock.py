@@ -66,3 +66,30 @@ def test_a_second_training_into_a_held_run_dir_is_refused_and_the_first_goes_on(
     assert f"in use by another training: pid {holder['pid']} on {holder['host']}" in second.stderr, second.output
     steps = [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl") if r["split"] == "train"]
     assert steps == [1, 2]  # the first's lines only (it hangs in step 3); the second wrote none
+
+
+def test_a_training_that_lost_its_lock_stops_on_every_rank_without_saving(tmp_path: Path):
+    """Rank 0 judged dead while alive (a frozen node): another training took the lock. At its next beat (BEAT_S) rank
+    0 finds it, and the step vote stops both ranks with an error naming the new holder; no checkpoint after."""
+    env = {**os.environ, "PYTHONPATH": str(TESTS), "PYTHONUNBUFFERED": "1"}
+    env.pop("RANK", None)
+    first = subprocess.Popen(
+        [sys.executable, "-m", "hpctrain", "train", "digits", "--nproc-per-node", "2", f"run.dir={tmp_path}",
+         "train.max_steps=100000", "log.every_steps=1", "log.plots=false", "log.tensorboard=false",
+         "ckpt.every_steps=100000", "eval.every_steps=0", "fault.hang_timeout_s=0"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_for_step(tmp_path, 2, first, 150)
+        lock = json.loads((tmp_path / "run.lock").read_text())
+        thief = {**lock, "host": "node9", "pid": 1, "started": "", "job_id": "777", "token": "thief"}
+        (tmp_path / "run.lock").write_text(json.dumps(thief))
+        out, err = first.communicate(timeout=200)  # the beat comes within 30 s
+    finally:
+        kill_tree(first.pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(first.pid, signal.SIGKILL)
+    assert first.returncode == 2, out + err
+    assert err.count("lost its lock (now held by pid 1 on node9, Slurm job 777") >= 1, err
+    assert "without saving" in err
+    assert not list(tmp_path.glob("checkpoints/step_*"))
+    assert json.loads((tmp_path / "run.lock").read_text())["token"] == "thief"  # the new holder's lock stays

@@ -265,3 +265,16 @@ def test_status_shows_the_step_of_a_stop_not_the_last_train_record(tmp_path, slu
     out = capsys.readouterr().out
     assert "step 14, train loss 0.5 at step 10" in out, out
     assert commands.latest_step(records + [{"step": 14, "split": "resume", "epoch": 0}]) == 14
+
+
+def test_sweep_status_shows_the_step_of_a_stop(tmp_path):
+    from hpctrain.sweep.plan import build_plan
+    from hpctrain.sweep.status import collect_status
+
+    plan, _ = build_plan("digits", None, ("train.max_steps=40",), ["optim.lr=0.1,0.2"], str(tmp_path / "s"))
+    run = plan.run_dir(plan.points[0])
+    run.mkdir(parents=True)
+    records = [{"step": 10, "split": "train", "epoch": 0, "loss": 0.5},
+               {"step": 14, "split": "stop", "epoch": 0, "signal": "SIGTERM"}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert [s.step for s in collect_status(plan)] == [14, None]
