@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from hpctrain.fault import run_lock
 from tests.conftest import TESTS, kill_tree, read_jsonl, run_hpctrain
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
@@ -80,9 +81,14 @@ def test_a_training_that_lost_its_lock_stops_on_every_rank_without_saving(tmp_pa
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         wait_for_step(tmp_path, 2, first, 150)
-        lock = json.loads((tmp_path / "run.lock").read_text())
-        thief = {**lock, "host": "node9", "pid": 1, "started": "", "job_id": "777", "token": "thief"}
-        (tmp_path / "run.lock").write_text(json.dumps(thief))
+        # As another process that judged rank 0 dead takes over: under the guard (a plain write could land between
+        # a beat's check and its rewrite, and be overwritten).
+        path = tmp_path / "run.lock"
+        thief = run_lock.Owner("node9", 1, "", job_id="777", token="thief")
+        deadline = time.time() + 60
+        while not run_lock._take_over(path, run_lock.read_owner(path), thief):
+            assert time.time() < deadline, "could not take the lock over"
+            time.sleep(0.05)
         out, err = first.communicate(timeout=200)  # the beat comes within 30 s
     finally:
         kill_tree(first.pid)

@@ -43,6 +43,16 @@ def place(run_dir: Path, owner: run_lock.Owner, age: float | None = None) -> Non
     os.utime(path, (written, written))
 
 
+def take_over(run_dir: Path, thief: run_lock.Owner) -> None:
+    """Take the lock as another process judging its holder dead does (under the guard): a plain write could land
+    between a beat's check and its rewrite, and be overwritten."""
+    path = run_dir / run_lock.LOCK_FILE
+    deadline = time.time() + 30
+    while not run_lock._take_over(path, run_lock.read_owner(path), thief):
+        assert time.time() < deadline, "could not take the lock over"
+        time.sleep(0.01)
+
+
 @pytest.fixture
 def scontrol(tmp_path, monkeypatch):
     """A stand-in scontrol on PATH: writes its answer (stdout), its error (stderr) and its exit code from files."""
@@ -178,7 +188,7 @@ def test_the_holder_beats_and_leaves_a_lock_taken_over_alone(tmp_path, monkeypat
         time.sleep(0.05)
     assert json.loads((tmp_path / run_lock.LOCK_FILE).read_text())["beat"] > first
     thief = run_lock.Owner("node9", 1, "", since=time.time(), beat=time.time())
-    place(tmp_path, thief)  # judged dead and taken over (a frozen holder): the new holder's lock must survive
+    take_over(tmp_path, thief)  # judged dead and taken over (a frozen holder): the new holder's lock must survive
     lock.release()
     assert json.loads((tmp_path / run_lock.LOCK_FILE).read_text())["token"] == thief.token
 
@@ -187,7 +197,7 @@ def test_a_holder_that_lost_its_lock_says_so_and_stops_beating(tmp_path, monkeyp
     monkeypatch.setattr(run_lock, "BEAT_S", 0.05)
     lock = run_lock.acquire(tmp_path)
     thief = run_lock.Owner("node9", 1, "", job_id="777", since=time.time(), beat=time.time())
-    place(tmp_path, thief)
+    take_over(tmp_path, thief)
     deadline = time.time() + 30
     while not lock.lost and time.time() < deadline:
         time.sleep(0.05)
@@ -255,7 +265,7 @@ def test_a_training_whose_lock_is_taken_over_stops_with_an_error_and_saves_nothi
         deadline = time.time() + 240
         while time.time() < deadline and not list((tmp_path / "run" / "checkpoints").glob("step_*")):
             time.sleep(0.02)
-        place(tmp_path / "run", thief)
+        take_over(tmp_path / "run", thief)
         stolen.set()
 
     thread = threading.Thread(target=steal, daemon=True)
