@@ -154,7 +154,9 @@ def test_sampling_in_chunks_and_with_nothing_to_draw(tmp_path: Path):
     out = Outputs(rt, 0, 0, True, 7, tmp_path, MetricsLogger([]))
     a, rec_a, _ = draw_samples(whole, model, out, 5, 4, (99, -1), record_rows=3)
     b, rec_b, _ = draw_samples(chunked, model, out, 5, 4, (99, -1), record_rows=3)
-    torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+    # Another batch size may take another convolution kernel: on one of these 2-core VMs one of 3,840 values differed by
+    # 1.4e-6 after 4 denoising steps. A sampler that mixed up samples or steps differs by far more.
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     assert list(rec_a) == list(rec_b) == [99, -1] and rec_b[99].shape[0] == 3 and rec_b[-1].shape[0] == 3
     idle = Outputs(replace(rt, rank=0, world_size=4), 0, 0, True, 7, tmp_path, MetricsLogger([]))
     x0, rec, mine = draw_samples(whole, model, idle, 3, 4, (99, -1), record_rows=3)
