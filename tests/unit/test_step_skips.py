@@ -237,6 +237,101 @@ def test_a_skipped_step_keeps_the_emas_batch_norm_statistics_on_the_device_path_
     assert ema.module[1].running_mean.isnan().all() and not ema.module[0].weight.isnan().any()
 
 
+class _Buffers(torch.nn.Module):
+    """Buffers of every kind the batched update groups: 1-D, 0-d (float and integer), 2-D, half precision, and a
+    transposed (non-contiguous) one, which goes on its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.randn(()))
+        self.register_buffer("table", torch.randn(3, 4))
+        self.register_buffer("odd", torch.randn(4, 3).t())
+        self.register_buffer("low", torch.randn(5).half())
+        self.register_buffer("count", torch.tensor(7))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def _bn_model(blocks: int) -> torch.nn.Module:
+    return torch.nn.Sequential(*[m for _ in range(blocks) for m in (torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))],
+                               _Buffers())
+
+
+def _ema_update_tensor_by_tensor(ema, model, weight, skipped) -> None:
+    """The update as it was (one tensor at a time), the reference the batched one must equal bit for bit."""
+    if skipped is not None:
+        weight = weight * (1 - skipped)
+    keep = None if skipped is None else skipped.bool()
+    params = list(zip(ema.module.parameters(), model.parameters()))
+    with torch.no_grad():
+        for a, b in params:  # the parameters without a select (a skipped step left the model's as they were)
+            a.add_((b - a) * weight)
+        for a, b in zip(ema.module.buffers(), model.buffers()):
+            new = a + (b - a) * weight if a.is_floating_point() else a * (1 - weight) + b * weight
+            a.copy_(new if keep is None else torch.where(keep, a, new))
+
+
+@pytest.mark.parametrize("skipped", [None, 0.0, 1.0], ids=["no-flag", "applied", "skipped"])
+def test_the_batched_ema_update_of_the_buffers_equals_the_update_tensor_by_tensor_bit_for_bit(skipped):
+    from hpctrain.train.ema import EMA
+    from hpctrain.train.step import ema_update
+
+    torch.manual_seed(0)
+    model = _bn_model(3)
+    emas = [EMA(model, 0.9) for _ in range(2)]
+    for ema in emas:
+        ema.update_parameters(model)  # the first update: a copy
+    model(torch.randn(8, 4))  # running statistics move, num_batches_tracked counts
+    with torch.no_grad():
+        for t in model[-1].buffers():
+            t.copy_(t * 3 + 1)
+        model[1].running_mean[1] = math.nan  # a NaN statistic: kept on a skipped step, taken in on an applied one
+    flag = None if skipped is None else torch.tensor(skipped)
+    for _ in range(3):
+        ema_update(emas[0], model, torch.tensor(0.3), flag)
+        _ema_update_tensor_by_tensor(emas[1], model, torch.tensor(0.3), flag)
+    got, want = emas[0].module.state_dict(), emas[1].module.state_dict()
+    for name in want:
+        assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape, name
+        assert torch.equal(got[name].nan_to_num(), want[name].nan_to_num()), f"{name}: {got[name]} != {want[name]}"
+        assert torch.equal(got[name].isnan(), want[name].isnan()), name
+    assert not emas[0].module[-1].odd.is_contiguous()  # written through the transposed buffer itself
+    changed = not torch.equal(got["6.count"], torch.tensor(7))
+    assert changed == (skipped != 1.0) and bool(got["1.running_mean"][1].isnan()) == (skipped != 1.0)
+
+
+def test_the_ema_update_of_a_batch_norm_model_costs_the_same_few_operations_however_many_layers():
+    """A fused optimizer's EMA update runs at every step (a graph replays its kernels): the buffers go as a few flat
+    tensors per dtype (cat/stack, the update, the select, one copy back through views), not five operations each."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hpctrain.train.ema import EMA
+    from hpctrain.train.step import ema_update
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    counts = {}
+    for blocks in (2, 53):
+        model = _bn_model(blocks)[:-1]
+        ema = EMA(model, 0.9)
+        ema.update_parameters(model)
+        weight, flag = torch.tensor(0.1), torch.tensor(0.0)
+        with Count() as count:
+            ema_update(ema, model, weight, flag)
+        counts[blocks] = len(count.ops)
+        # Captured in a CUDA graph: no host read of a value, no shape that depends on one.
+        assert not {"aten._local_scalar_dense.default", "aten.nonzero.default"} & set(count.ops), count.ops
+    assert counts[53] == counts[2] <= 30, f"operations of one EMA update with 2 and 53 BatchNorm layers: {counts}"
+
+
 # ---- fp16: GradScaler's backoffs ------------------------------------------------------------------------------------
 
 def test_an_fp16_loss_scale_backoff_is_logged_as_such_and_stops_nothing_until_the_scale_falls_below_1(
