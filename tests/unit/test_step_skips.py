@@ -168,8 +168,9 @@ def _notes(ctx) -> list:
 
 def test_fused_sgd_without_momentum_skips_on_the_device_after_the_first_applied_step(tmp_path, monkeypatch, recwarn):
     """SGD with optim.momentum=0 keeps no state at all: the rule cannot hang on the state, or every step would wait
-    for the GPU (bool of the norm). The first steps are decided on the host until one is applied (fused SGD's first
-    step creates its momentum buffers uninitialised: a skipped one on the device would keep them)."""
+    for the GPU (bool of the norm). The first steps of every launch, a resumed one too, are decided on the host until one
+    is applied (fused SGD's first step creates its momentum buffers uninitialised: a skipped one on the device would
+    keep them)."""
     ctx = _make(tmp_path, monkeypatch, "eager-fused", "optim.name=sgd", "optim.momentum=0")
     notes = _notes(ctx)
     _nan_noise(monkeypatch, {0, 3})
@@ -178,19 +179,20 @@ def test_fused_sgd_without_momentum_skips_on_the_device_after_the_first_applied_
     kinds = [type(n).__name__ for n in notes]
     assert kinds == ["bool", "bool", "Tensor", "Tensor", "Tensor"], kinds  # step 0 skipped, step 1 applied
     assert ctx.state.skipped_at == [1, 4]
-    # A resumed run (a new stepper): the checkpoint's counts say a step was applied, so the device path at once ...
+    # A resumed launch (a new stepper) decides on the host again until one of its own steps is applied, though the
+    # checkpoint's steps were: its first step may make optimizer state the checkpoint has none of (fused SGD's
+    # momentum, uninitialised, after optim.momentum was raised from 0), which a skip on the device would leave so.
     ctx.state, ctx.stepper = TrainState.from_dict(ctx.state.to_dict()), EagerStep()
+    for group in ctx.optimizer.param_groups:
+        group["momentum"] = 0.9  # the resume's config raised optim.momentum from 0 (allowed)
+    _nan_noise(monkeypatch, {5})  # and the resumed launch's first step is not finite
     notes = _notes(ctx)
     _train(ctx, 1)
-    assert isinstance(notes[0], torch.Tensor)
-    # ... but not when every step before the checkpoint was skipped.
-    fresh = _make(tmp_path / "fresh", monkeypatch, "eager-fused", "optim.name=sgd", "optim.momentum=0.9")
-    _nan_noise(monkeypatch, {0, 1})
-    _train(fresh, 2)
-    fresh.state, fresh.stepper = TrainState.from_dict(fresh.state.to_dict()), EagerStep()
-    notes = _notes(fresh)
-    _train(fresh, 1)
-    assert notes == [False] and fresh.state.skipped_in_a_row == 0
+    assert notes == [True] and not ctx.optimizer.state, "the skipped step made (uninitialised) momentum buffers"
+    _train(ctx, 1)
+    assert notes[1] is False and ctx.optimizer.state  # applied (the buffers made from its gradient) ...
+    _train(ctx, 1)
+    assert isinstance(notes[2], torch.Tensor)  # ... and the device flag from then on
     # The skipped first steps called no optimizer.step(): torch's warning that the schedule stepped first is wrong.
     assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]
 

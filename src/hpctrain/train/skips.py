@@ -11,8 +11,9 @@ The decision is the same on every rank without a collective of its own: the norm
 (DDP, ZeRO-1) or reduced over the shards (FSDP), as for clipping. Where the optimizer takes a device flag (torch's
 fused AdamW and SGD read ``found_inf``, as GradScaler uses them) the step is skipped on the device and the host reads
 the flag two steps late, when the GPU has finished that step anyway: no wait in the hot path; that starts after the
-run's first applied step (flag_reader says why). Elsewhere (the CPU's foreach optimizers, an optimizer without fused
-kernels, and a fused one until a step has been applied) the host reads the flag at once and does not call step().
+first applied step of each launch, a resumed one too (flag_reader says why). Elsewhere (the CPU's foreach optimizers,
+an optimizer without fused kernels, and a fused one until then) the host reads the flag at once and does not call
+step().
 Which of the two is decided alike on every rank, so under zero1 either every rank calls step() or none does.
 """
 
@@ -48,19 +49,13 @@ def flag_reader(optimizer: torch.optim.Optimizer, applied: bool) -> torch.optim.
     path skips a step by not calling ZeroRedundancyOptimizer.step(), whose parameter broadcasts the other ranks would
     then wait for. So: the optimizer class takes ``found_inf`` and every group is fused (torch's fused AdamW and SGD;
     ZeRO-1 steps its partition with its inner optimizer, one with no parameters ignores the flag and still
-    broadcasts), and ``applied``: a step of this run has updated the weights (:func:`applied_before`). Before that,
+    broadcasts), and ``applied``: a step of this launch has updated the weights (EagerStep.applied). Before that,
     the host decides: torch's fused SGD creates its momentum buffers uninitialised on its first step and a skipped
-    first step would keep them, and a fused SGD without momentum never creates any state at all."""
+    first step would keep them (after a resume too, for parameters the checkpoint holds no momentum of), and a fused
+    SGD without momentum never creates any state at all."""
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's own optimizer
     fused = getattr(inner, "_step_supports_amp_scaling", False) and all(g.get("fused") for g in inner.param_groups)
     return inner if fused and applied else None
-
-
-def applied_before(state) -> bool:
-    """Whether a step before this one was applied (not skipped), from the train state, the same on every rank: the
-    last ``skipped_in_a_row`` steps were skipped and the one before them (if any) was applied. Read when a stepper
-    starts (a resumed run: the checkpoint's counts are settled), when no device flag is pending."""
-    return getattr(state, "step", 0) > getattr(state, "skipped_in_a_row", 0)
 
 
 def not_finite(norm: torch.Tensor) -> torch.Tensor:

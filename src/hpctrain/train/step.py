@@ -39,7 +39,7 @@ from hpctrain.errors import UserError
 from hpctrain.experiments.base import BatchInfo, call_train_loss
 from hpctrain.train.device import to_device
 from hpctrain.train.precision import Precision
-from hpctrain.train.skips import SkipLedger, applied_before, flag_reader, not_finite
+from hpctrain.train.skips import SkipLedger, flag_reader, not_finite
 
 log = logging.getLogger("hpctrain")
 
@@ -151,10 +151,12 @@ class EagerStep:
         would otherwise see another autocast state there, and recompile during the capture)."""
         self.skips = SkipLedger()
         """The steps skipped for a non-finite gradient (train/skips.py), read by the train record."""
-        self.applied: bool | None = None
-        """A step of this run has updated the weights (not skipped), the same on every rank: from then on a fused
-        optimizer skips on a device flag (skips.flag_reader). None until the first step reads it from the train
-        state (a resumed run's, from its checkpoint)."""
+        self.applied = False
+        """A step of this launch has updated the weights (not skipped), the same on every rank: from then on a fused
+        optimizer skips on a device flag (skips.flag_reader). False at every launch, a resumed one too: its first
+        step may create optimizer state the checkpoint has none of (fused SGD's momentum, uninitialised, after
+        optim.momentum was raised from 0 or unsaved state was dropped), which a skip on the device would leave so.
+        One host wait per launch."""
 
     def __call__(self, ctx, batches: Iterator, window) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One optimizer step over grad_accum micro-batches; returns this rank's mean loss (on device, no sync)."""
@@ -174,8 +176,6 @@ class EagerStep:
 
     def finish(self, ctx, step: int) -> torch.Tensor | None:
         """apply_gradients, its skip noted; returns the gradient norm when clipping."""
-        if self.applied is None:
-            self.applied = applied_before(ctx.state)
         norm, skipped = apply_gradients(ctx, device_flag=self.applied)
         self.applied = self.applied or skipped is False  # a host decision, read on every rank alike
         self.skips.note(ctx, step + 1, skipped)
@@ -231,7 +231,7 @@ def gradient_sync(model: torch.nn.Module, last: bool) -> contextlib.AbstractCont
 def apply_gradients(ctx, device_flag: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | bool]:
     """Clip, step, zero, schedule, average: what follows the backward passes. Returns the gradient norm when
     clipping (on device, no sync) and whether the step was skipped for a non-finite gradient (train/skips.py: a
-    device flag where the optimizer reads one and ``device_flag`` (a step of this run has been applied), else a bool
+    device flag where the optimizer reads one and ``device_flag`` (a step of this launch has been applied), else a bool
     read on the host). Every rank takes the same path: under zero1 every rank calls step() or none does."""
     clip = ctx.cfg.train.grad_clip
     if clip > 0:
