@@ -278,3 +278,20 @@ def test_sweep_status_shows_the_step_of_a_stop(tmp_path):
                {"step": 14, "split": "stop", "epoch": 0, "signal": "SIGTERM"}]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert [s.step for s in collect_status(plan)] == [14, None]
+
+
+def test_status_and_logs_go_on_when_scontrol_does_not_answer(tmp_path, slurm, capsys):
+    """A controller that briefly does not answer (or PrivateData's refusal) is no error for status, which shows
+    sacct's record instead, nor for logs, which says it found no log and why."""
+    sacct = slurm.root / "bin" / "sacct"
+    sacct.write_text("#!/bin/sh\necho 'RUNNING|0:0|00:05:00|node3'\n")
+    sacct.chmod(0o755)
+    run = tmp_path / "run"
+    record_job(run, "4100")
+    slurm.state.write_text("TIMEOUT")
+    assert main(["slurm", "status", str(run)]) == 0
+    said = capsys.readouterr()
+    assert "job 4100: RUNNING" in said.out and "Socket timed out" in said.err and "asking sacct" in said.err
+    assert main(["slurm", "logs", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "no log file of job 4100" in err and "Slurm did not say where job 4100 writes its log" in err

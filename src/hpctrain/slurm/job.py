@@ -221,7 +221,14 @@ def accounting_state(job_id: str) -> dict[str, str]:
 
 
 def job_state(job_id: str) -> dict[str, str]:
-    return job_fields(job_id) or accounting_state(job_id)
+    """scontrol's view of the job, else (forgotten, or the controller did not answer: a busy controller, or
+    PrivateData's refusal) sacct's record; {} when neither has one."""
+    try:
+        fields = job_fields(job_id)
+    except SlurmUnanswered as err:
+        print(f"hpctrain: {err.args[0]}; asking sacct instead", file=sys.stderr)
+        fields = {}
+    return fields or accounting_state(job_id)
 
 
 def cancel(job_id: str, signal: str = "") -> None:
@@ -253,5 +260,9 @@ def log_files(job_id: str, run_dir: Path | None) -> list[Path]:
         found = sorted((run_dir / "logs").glob(f"*_{job_id}.out"))
         if found:
             return found
-    out = job_fields(job_id).get("StdOut", "")
+    try:
+        out = job_fields(job_id).get("StdOut", "")
+    except SlurmUnanswered as err:  # where the log went is not known: none found, and why
+        print(f"hpctrain: Slurm did not say where job {job_id} writes its log ({err.args[0]})", file=sys.stderr)
+        return []
     return [Path(out)] if out and Path(out).exists() else []
