@@ -33,7 +33,9 @@ class BackgroundWriter(Generic[T]):
 
         # Not a daemon: a process that ends (even by an exception elsewhere) finishes the write it
         # started, because the snapshot it holds is a good checkpoint. SIGKILL cannot be helped, and
-        # the write protocol (temporary directory, manifest last) leaves the previous one valid then.
+        # the write protocol (temporary directory, manifest last) leaves the previous one valid then. The
+        # commit is still subject to the Checkpointer's commit_allowed (the run dir lock, train/run.py waits for
+        # this thread before releasing it): a write that outlived a lost lock is dropped, not committed.
         self._thread = threading.Thread(target=run, name="hpctrain-checkpoint-writer")
         self._thread.start()
 

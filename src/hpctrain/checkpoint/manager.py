@@ -107,6 +107,8 @@ class SaveOutcome:
     """'' when the checkpoint is complete on disk (or, for a background save, when its copy is taken)."""
     is_io: bool = False
     """The failure was an OSError (full disk, quota, permissions): the user's to fix."""
+    refused: bool = False
+    """Not committed because ``commit_allowed`` said no (the run dir lock lost): ``error`` says why."""
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,10 @@ class Checkpointer:
         self.async_save = async_save
         self.strategy = strategy
         self._writer: BackgroundWriter[SaveOutcome] = BackgroundWriter()
+        self.commit_allowed: Callable[[], str] | None = None
+        """Rank 0 asks it right before a checkpoint is renamed into place and ``latest`` moved (also in the background
+        writer, which may finish after the training stopped): '' to commit, else why not (train/run.py passes the run
+        dir lock's check: a save begun before another training took the run dir is dropped, not committed)."""
         self._stager: CheckpointStager | None = None
         # Made here, when every rank builds its Checkpointer at the same point (new_group is a collective).
         self._async_group = None
@@ -185,6 +191,12 @@ class Checkpointer:
             return
         outcome = self._writer.wait()  # rank 0's thread returns the outcome; the others' return None
         _raise_if_failed(broadcast_object(outcome, self.runtime), self.root)
+
+    def drain(self) -> None:
+        """Wait (this rank only, no collective) for a background write still running: a failing run lets it finish
+        before the run dir lock is released, so it cannot commit into a run dir another training took since."""
+        with contextlib.suppress(Exception):
+            self._writer.wait()
 
     def close(self) -> None:
         """Release the staging buffers (after the last settle)."""
@@ -284,8 +296,12 @@ class Checkpointer:
                      "state.json": json.dumps(job.info, indent=1)}
             merged = {name: entry for rank_entries, _ in parts for name, entry in rank_entries.items()}
             merged |= storage.write_files(job.tmp, files)
-            path = storage.finish_checkpoint(self.root, job.tmp, job.step, merged, job.meta)
+            commit = {"commit_allowed": self.commit_allowed} if self.commit_allowed is not None else {}
+            path = storage.finish_checkpoint(self.root, job.tmp, job.step, merged, job.meta, **commit)
             self._retire_old(path)
+        except storage.CommitRefused as err:
+            log.error("checkpoint of step %d not committed: %s", job.step, err)
+            return SaveOutcome(job.step, str(err), refused=True)
         except Exception as err:
             storage.discard(job.tmp)
             return _failed(job.step, err)
@@ -595,6 +611,11 @@ def _raise_if_failed(outcome: SaveOutcome | None, root: Path) -> None:
     if outcome is None or not outcome.error:
         return
     message = f"saving checkpoint at step {outcome.step} under '{root}' failed: {outcome.error}"
+    if outcome.refused:
+        raise on_every_rank(UserError(
+            f"checkpoint of step {outcome.step} not committed under '{root}': the run dir lock is no longer this "
+            f"run's ({outcome.error})", "another training may be writing this run dir: let it finish or stop it, "
+            "then resume from the run dir's latest checkpoint."))
     if outcome.is_io:
         hint = "free disk space or fix the file system, then resume; the previous checkpoint is intact."
         raise on_every_rank(UserError(message, hint))

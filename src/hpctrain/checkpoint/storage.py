@@ -34,7 +34,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -106,9 +106,16 @@ def write_files(tmp: Path, files: Mapping[str, Any]) -> dict[str, dict[str, Any]
     return {name: _write_file(tmp / name, payload) for name, payload in files.items()}
 
 
-def finish_checkpoint(root: Path, tmp: Path, step: int, entries: Mapping[str, Any], meta: Mapping[str, Any]) -> Path:
+class CommitRefused(Exception):
+    """The caller's ``commit_allowed`` said no right before the rename: the checkpoint was not committed."""
+
+
+def finish_checkpoint(root: Path, tmp: Path, step: int, entries: Mapping[str, Any], meta: Mapping[str, Any],
+                      commit_allowed: Callable[[], str] | None = None) -> Path:
     """Write the manifest (last), rename ``tmp`` into place, then point ``latest`` at it; returns the checkpoint
-    directory. Raises OSError with the previous checkpoint intact (``tmp`` is removed)."""
+    directory. Raises OSError with the previous checkpoint intact (``tmp`` is removed). ``commit_allowed`` is asked
+    right before the rename: a non-empty answer (why not) raises CommitRefused, ``tmp`` removed, nothing moved (the
+    run dir lock lost while the save was written: another training may own the run dir now)."""
     final = root / step_dir_name(step)
     try:
         manifest = {"schema": SCHEMA_VERSION, "step": step, "created": time.time(), **meta,
@@ -117,6 +124,9 @@ def finish_checkpoint(root: Path, tmp: Path, step: int, entries: Mapping[str, An
         for sub in {Path(name).parent for name in entries} - {Path(".")}:
             fsync_dir(tmp / sub)
         fsync_dir(tmp)
+        refused = commit_allowed() if commit_allowed is not None else ""
+        if refused:
+            raise CommitRefused(refused)
         _replace_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -13,8 +13,11 @@ says when its holder is provably dead and the lock may be taken over:
   is alive, however long it has been silent;
 - otherwise, the holder ran on another host: dead when its heartbeat (the lock file, rewritten every BEAT_S by a
   thread of the holder) is older than STALE_S. Its age is the lock file's mtime against that of a probe file just
-  written beside it: both are the file server's clock, so the hosts' clocks play no part. A node that crashed thus
-  blocks its run dir for STALE_S at most.
+  written beside it, so the judging host's own clock plays no part. On NFS both mtimes are the file server's clock;
+  Lustre (and GPFS) stamp a write with the writing client's clock, so there the skew between the holder's and the
+  judge's clocks adds to or takes from the age: NTP keeps it far below STALE_S, but a node whose clock runs minutes
+  ahead can keep its lock alive that much longer, or one that runs behind lose it that much sooner. A node that
+  crashed thus blocks its run dir for STALE_S (plus that skew) at most.
 
 A take-over replaces the file with os.replace under a second, short-lived guard file (run.lock.takeover), so two
 processes that both judge a holder dead cannot both win; the holder's heartbeat rewrites the file under the same
@@ -22,7 +25,11 @@ guard, and a take-over gives up when the lock changed since it was judged (a bea
 
 A holder that was judged dead while alive (stopped with SIGSTOP, a mount that hung for minutes) finds at its next
 beat that the lock is no longer its own: the step vote (fault/vote.py) then stops every rank with an error, without
-a checkpoint, and rank 0 checks the lock before each checkpoint as well (check()).
+a checkpoint; rank 0 checks the lock before each checkpoint, and again right before one is committed (renamed into
+place, ``latest`` moved), in the background writer too. A beat that stalled inside its rewrite for longer than
+GUARD_STALE_S (its guard then removed as stale by a taker) may have put its old lock back over a take-over: it finds
+its guard gone after the rewrite and counts the lock as lost (the taker, whose lock it overwrote, stops at its own
+next beat: both stop, neither writes on).
 """
 
 from __future__ import annotations
@@ -131,11 +138,35 @@ def is_dead(holder: Owner, me: Owner, path: Path | None = None) -> bool:
     return (time.time() - holder.beat if silent is None else silent) > STALE_S
 
 
+_cluster: list[str] = []
+"""This machine's Slurm cluster name from ``scontrol show config``, once known (outside a job, on a login node)."""
+
+
+def _this_cluster() -> str:
+    """SLURM_CLUSTER_NAME (set inside jobs only), else ClusterName from ``scontrol show config`` (asked once per
+    process); '' when neither says."""
+    here = os.environ.get("SLURM_CLUSTER_NAME", "")
+    if here or _cluster:
+        return here or _cluster[0]
+    from hpctrain.slurm.job import run_slurm  # not at import: slurm/job.py imports this module
+
+    try:
+        proc = run_slurm(["scontrol", "show", "config"], timeout=30)
+    except UserError:
+        return ""
+    for line in proc.stdout.splitlines() if proc.returncode == 0 else []:
+        key, _, value = line.partition("=")
+        if key.strip() == "ClusterName" and value.strip():
+            _cluster.append(value.strip())
+            return _cluster[0]
+    return ""
+
+
 def _holder_job(holder: Owner) -> str:
     """What this cluster's Slurm says of the holder's job: 'ended' (ended or forgotten), 'suspended', 'live', or ''
-    when it cannot tell (no Slurm job, no scontrol here, the controller did not answer, another cluster's job)."""
-    here = os.environ.get("SLURM_CLUSTER_NAME", "")
-    if not holder.job_id or (holder.cluster and here and holder.cluster != here):
+    when it cannot tell (no Slurm job, no scontrol here, the controller did not answer, another cluster's job, or
+    a holder of a named cluster while this machine's cluster is unknown: its job id may be another cluster's)."""
+    if not holder.job_id or (holder.cluster and holder.cluster != _this_cluster()):
         return ""
     from hpctrain.slurm.job import job_liveness  # not at import: slurm/job.py imports this module
 
@@ -159,15 +190,19 @@ def _silent_for(path: Path) -> float | None:
             probe.unlink()
 
 
+def _parse(data: bytes) -> Owner:
+    """A lock file's content as an Owner; ValueError, TypeError or AttributeError when it is not a lock."""
+    known = {f.name for f in fields(Owner)}  # a later hpctrain may write more: those are not ours to judge by
+    return Owner(**{k: v for k, v in json.loads(data).items() if k in known})
+
+
 def read_owner(path: Path) -> Owner | None:
     """The lock file's holder; None when there is no lock file. An unreadable one is a UserError that names it."""
     try:
-        data = json.loads(path.read_text())
-        known = {f.name for f in fields(Owner)}  # a later hpctrain may write more: those are not ours to judge by
-        return Owner(**{k: v for k, v in data.items() if k in known})
+        return _parse(path.read_bytes())
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, TypeError) as err:
+    except (OSError, ValueError, TypeError, AttributeError) as err:
         raise UserError(f"the run dir's lock {path} is not readable ({err})",
                         "no hpctrain writes such a file: make sure no training uses this run dir, then delete it.") \
             from None
@@ -192,42 +227,59 @@ class RunLock:
         self.owner = owner
         self.lost = ""
         """'' while the lock is ours; once it is not: who holds it now (or that it was removed)."""
+        self._unparseable = 0
+        """Checks in a row that read content that is not a lock (two make it lost: one may be a torn read)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="hpctrain-run-lock", daemon=True)
         self._thread.start()
 
     def _beat(self) -> None:
         while not self._stop.wait(BEAT_S):
-            try:
-                # Under the take-over guard: a take-over cannot land between the check and the rewrite.
-                with _guarded(self.path, self.owner) as guarded:
-                    if not guarded:
-                        continue  # a take-over under way: the next beat sees its outcome
-                    if self.check():
-                        log.error("run dir lock %s is no longer this run's: %s; every rank stops at the next step",
-                                  self.path, self.lost)
-                        return
+            if not self._beat_once():
+                return
+
+    def _beat_once(self) -> bool:
+        """One heartbeat; False once the lock is lost (the beats end)."""
+        try:
+            # Under the take-over guard: a take-over cannot land between the check and the rewrite.
+            with _guarded(self.path, self.owner) as guarded:
+                if not guarded:
+                    return True  # a take-over under way: the next beat sees its outcome
+                if not self.check():
                     self.owner = _write_over(self.path, _with_beat(self.owner))
-            except OSError as err:  # a flaky mount: the next beat tries again, and STALE_S allows ten misses
-                log.warning("could not refresh the run dir lock %s: %s", self.path, err)
+                    if _guard_of(self.path) not in (self.owner.token, None):
+                        # The rewrite stalled past GUARD_STALE_S and a taker removed our guard as stale: our
+                        # rename may have put this lock back over its take-over.
+                        self.lost = (f"this run's heartbeat stalled over {GUARD_STALE_S:.0f} s in rewriting "
+                                     f"{self.path} and another process may have taken it over meanwhile")
+        except OSError as err:  # a flaky mount: the next beat tries again, and STALE_S allows ten misses
+            log.warning("could not refresh the run dir lock %s: %s", self.path, err)
+        if self.lost:
+            log.error("run dir lock %s is no longer this run's: %s; every rank stops at the next step",
+                      self.path, self.lost)
+            return False
+        return True
 
     def check(self) -> str:
-        """'' while the lock file is still this holder's; else who holds it now (also kept in ``lost``)."""
+        """'' while the lock file is still this holder's; else who holds it now (also kept in ``lost``). A read
+        that fails (EIO, ESTALE on a flaky mount) tells nothing: ''."""
         if not self.lost:
             try:
-                self.path.read_bytes()  # only to tell a flaky mount (not evidence of another holder) from the rest
+                data = self.path.read_bytes()
             except FileNotFoundError:
-                pass
+                self.lost = f"{self.path} was removed"
+                return self.lost
             except OSError:
                 return ""
             try:
-                current = read_owner(self.path)
-            except UserError:
-                self.lost = f"{self.path} was replaced by a file that is not a lock"
+                current = _parse(data)
+            except (ValueError, TypeError, AttributeError):
+                self._unparseable += 1
+                if self._unparseable >= 2:
+                    self.lost = f"{self.path} was replaced by a file that is not a lock"
                 return self.lost
-            if current is None:
-                self.lost = f"{self.path} was removed"
-            elif current.token != self.owner.token:
+            self._unparseable = 0
+            if current.token != self.owner.token:
                 self.lost = f"now held by {current.describe()}"
         return self.lost
 
@@ -237,6 +289,19 @@ class RunLock:
         with contextlib.suppress(OSError), _guarded(self.path, self.owner) as guarded:
             if guarded and not self.check():  # never another holder's lock (a take-over cannot land in between)
                 self.path.unlink()
+
+
+def _guard_of(path: Path) -> str | None:
+    """The token of whoever holds the take-over guard beside ``path``: '' when there is none (or it is not
+    readable as a lock), None when it cannot be read (a flaky mount: can't tell)."""
+    try:
+        return _parse(path.with_name(path.name + GUARD_SUFFIX).read_bytes()).token
+    except FileNotFoundError:
+        return ""
+    except OSError:
+        return None
+    except (ValueError, TypeError, AttributeError):
+        return ""
 
 
 def _with_beat(owner: Owner) -> Owner:
@@ -334,7 +399,8 @@ def _guarded(path: Path, me: Owner) -> Iterator[bool]:
     try:
         yield True
     finally:
-        guard.unlink(missing_ok=True)
+        if _guard_of(path) in (me.token, None):  # not another's, that removed ours as stale and took the guard
+            guard.unlink(missing_ok=True)
 
 
 def _take_over(path: Path, dead: Owner, me: Owner) -> bool:

@@ -235,6 +235,8 @@ def _train_holding_run_dir(cfg: RunConfig, runtime: Runtime, experiment: Experim
     started = time.perf_counter()
     ctx = build_context(cfg, runtime, experiment, config_text)
     ctx.fault.vote.run_lock = lock  # rank 0's: a lock lost while training stops every rank (loop.after_step)
+    if lock is not None:  # and a checkpoint written meanwhile (in the background writer too) is not committed
+        ctx.checkpointer.commit_allowed = lock.check
     alerter = Alerter(resolve_webhook(cfg.alert), cfg.alert, cfg.run_name, cfg.run_dir, runtime.job_id, runtime.rank)
     # Installed before the (possibly long) restore: a preemption then still ends in a clean stop.
     ctx.fault.signals.install(stop_signal_names(cfg.fault.warning_signal))
@@ -279,6 +281,7 @@ def _train_holding_run_dir(cfg: RunConfig, runtime: Runtime, experiment: Experim
             raise err from None
         raise
     finally:
+        ctx.checkpointer.drain()  # a failing run's background write ends (committed or not) before the lock is released
         ctx.metrics.close()
         release_step(ctx)
     if result.stop_signal:
