@@ -639,7 +639,7 @@ def _fit(load: Callable[[], None], path: Path, config_text: str) -> None:
 def changed_settings(path: Path, config_text: str) -> str:
     """'model.hidden is 8 here but 16 in the checkpoint; ' for the settings of this run that differ from those the
     checkpoint was saved with (its config.toml), [model] first; '' when they cannot be compared."""
-    from hpctrain.train.resume_settings import saved_config, setting_changes
+    from hpctrain.config.changes import saved_config, setting_changes
 
     saved = saved_config(path)
     if saved is None:

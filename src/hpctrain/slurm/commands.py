@@ -73,7 +73,7 @@ def model_changes(cfg: RunConfig, checkpoint: Path | None) -> list[lint.Finding]
     so does this, before the queue wait (a UserError, which --force does not pass: the job would fail on every rank
     at its restore). A change that leaves them alone (a dropout rate) resumes, as it does locally: a warning names
     the keys."""
-    from hpctrain.train.resume_settings import saved_config
+    from hpctrain.config.changes import saved_config
 
     saved = saved_config(checkpoint) if checkpoint is not None else None
     if saved is None:  # none, or unreadable (a torn write): the job's restore verifies the checkpoint

@@ -13,8 +13,8 @@ carried on (checkpoint/manager.py logs both).
 The optimizer itself (optim.name) cannot change: its state belongs to it (AdamW's moments are no SGD momentum).
 A change is refused before any process starts, naming the key, as a changed model or global batch is.
 
-The resume's log names each setting that differs from the checkpoint's config.toml, except BOOKKEEPING keys. A
-config.toml that cannot be read (missing, not UTF-8, not TOML: a torn write) gives no lines and no check here:
+The resume's log names each setting that differs from the checkpoint's config.toml, except bookkeeping keys
+(config/changes.BOOKKEEPING). A config.toml that cannot be read (missing, not UTF-8, not TOML: a torn write) gives no lines and no check here:
 these compare settings, they are never a reason to stop a resume.
 """
 
@@ -26,18 +26,12 @@ from typing import Any
 
 import torch
 
-from hpctrain.config.load import flat_differences
+from hpctrain.config.changes import saved_config, setting_changes
 from hpctrain.config.schema import RunConfig
 from hpctrain.errors import UserError
 
 FIXED = ("optim.name",)
 """Keys a resume cannot change: what the checkpoint's tensors are the state of."""
-
-BOOKKEEPING = ("run.dir", "run.name", "ckpt.resume", "train.stop_at_step", "log.progress", "slurm.", "alert.")
-"""Keys (or sections, ending in '.') that say where a run is and how a launch is started or watched, not what it
-trains: a resume from another path, each chunk's own train.stop_at_step, a job with more time are not changed
-settings of the run."""
-
 
 def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """Each parameter group's settings as this launch built them (everything but its parameters): taken before a
@@ -79,21 +73,6 @@ def refuse_fixed_changes(checkpoint: Path, cfg: RunConfig) -> None:
                 f"checkpoint's optimizer state (moments, momentum buffers) belongs to {then}; nothing was changed",
                 f"resume with {key}={then} (its hyper-parameters, e.g. optim.lr, may change: they apply from the "
                 "resumed step), or start a new run (another run.dir).")
-
-
-def saved_config(checkpoint: Path) -> str | None:
-    """The checkpoint's config.toml; None when it cannot be read (missing, unreadable, not UTF-8)."""
-    try:
-        return (checkpoint / "config.toml").read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        return None
-
-
-def setting_changes(saved_text: str, config_text: str) -> list[tuple[str, Any, Any]]:
-    """(key, saved value, this launch's) for each setting that differs, BOOKKEEPING keys left out; none when either
-    text is not TOML."""
-    return [(key, then, now) for key, then, now in flat_differences(saved_text, config_text)
-            if not any(key == k or (k.endswith(".") and key.startswith(k)) for k in BOOKKEEPING)]
 
 
 def changed_lines(saved_text: str, config_text: str, step: int) -> list[str]:
