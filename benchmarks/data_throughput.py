@@ -62,7 +62,7 @@ def prepare(workdir: Path, images: int) -> tuple[Path, Path]:
     import numpy as np
     from PIL import Image
 
-    from hpctrain.data.fixtures import pattern_image
+    from hpctrain.datasets.fixtures import pattern_image
     from hpctrain.data.shard_command import ShardRequest, shard_command
 
     files, shards = workdir / "files", workdir / "shards"

@@ -34,7 +34,7 @@ from hpctrain.experiments.digits.model import MiniResNet
 from hpctrain.metrics.images import image_grid, write_png
 from hpctrain.metrics.sinks import MetricsLogger
 from hpctrain.train.entry import resolve
-from hpctrain.train.outputs import Outputs
+from hpctrain.experiments.outputs import Outputs
 
 CONFIDENT = 0.9
 

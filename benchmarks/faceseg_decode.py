@@ -5,7 +5,7 @@ goals (2,000 training images/s at the reference batch 96, 1,200 at micro batch 1
                                         [--workers 1 2] [--batch 96] [--loader-batch 32] [--workdir DIR]
                                         [--json PATH]
 
-Generated faces (hpctrain.data.faces) at --size, sharded as `hpctrain shard --format celebamask --resize SIZE`
+Generated faces (hpctrain.datasets.faces) at --size, sharded as `hpctrain shard --format celebamask --resize SIZE`
 writes them (JPEG image, PNG label map), through faceseg_throughput.prepare_shards. Then, in this process with one
 torch thread (one core), --samples training samples of the experiment's own data path per stage, --repeats times
 (median), after WARM untimed ones:

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from hpctrain.data.sources.celebamask import CLASSES
+from hpctrain.datasets.sources.celebamask import CLASSES
 from hpctrain.metrics.records import read_metrics
 from hpctrain.metrics.segmentation import iou_table
 

@@ -37,7 +37,7 @@ stride 16, ASPP and decoder 256 channels, 19 classes: 59.3M parameters at the de
                 PNG; the JPEGs are decoded with nvJPEG and cropped, resized and flipped on the GPU inside the step.
                 On CUDA only by default (without CUDA, torchvision decodes on the CPU: the path runs, that is all).
 
-The face set for the end-to-end rows is generated (hpctrain.data.faces.make_faces, --faces faces at the model's
+The face set for the end-to-end rows is generated (hpctrain.datasets.faces.make_faces, --faces faces at the model's
 size, masks at half of it, the standard 80/10/10 split) and sharded (`hpctrain shard --format celebamask --resize
 SIZE`, through hpctrain.data.shard_command) before anything is timed, into --workdir (kept and reused when given)
 or a temporary folder.
@@ -370,8 +370,8 @@ def continuing_loop(experiment, cfg: RunConfig, device: torch.device) -> Hpctrai
 def generate_faces(root: Path, count: int, size: int, seed: int = 0, processes: int = 1) -> Path:
     """``count`` faces at ``size`` (masks at half of it) in the CelebAMask-HQ layout, in parts on ``processes``
     processes (image i depends only on (seed, i), so the set is the same either way), then the split files."""
-    from hpctrain.data.faces import make_faces, write_split_files
-    from hpctrain.data.sources import celebamask
+    from hpctrain.datasets.faces import make_faces, write_split_files
+    from hpctrain.datasets.sources import celebamask
 
     mask = max(8, size // 2)
     if processes <= 1 or count < 200:
@@ -599,7 +599,7 @@ def header(s: Settings, params: int, data: dict[str, Any] | None) -> list[str]:
     if data is not None:
         workers = data.get("workers")
         epoch = ", ".join(f"{data['train_samples'] // b} at batch {b}" for b in s.batches)
-        lines.append(f"# end-to-end: {data['faces']:,} generated faces (hpctrain.data.faces) sharded at --resize "
+        lines.append(f"# end-to-end: {data['faces']:,} generated faces (hpctrain.datasets.faces) sharded at --resize "
                      f"{s.size}: {data['train_samples']:,} training samples, {data['train_bytes'] / 1e6:.1f} MB; "
                      f"{workers} loader worker(s), crop + flip augmentation; a path's windows back to back, its "
                      f"loader going on across them and starting afresh each epoch (steps per epoch: {epoch})")

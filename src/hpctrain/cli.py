@@ -192,7 +192,7 @@ def _add_synth_parser(sub) -> None:
 def _synth(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from hpctrain.data.synth import synth_faces
+    from hpctrain.datasets.synth import synth_faces
     from hpctrain.logs import setup_logging
 
     setup_logging(debug=args.debug)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from hpctrain.data.faces import make_faces
+from hpctrain.datasets.faces import make_faces
 from tests.conftest import read_jsonl, run_hpctrain, train_losses
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hpctrain.cli import main
-from hpctrain.data import fixtures
+from hpctrain.datasets import fixtures
 from tests.conftest import read_jsonl, run_hpctrain
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]

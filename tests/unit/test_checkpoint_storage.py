@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hpctrain.checkpoint import storage
-from hpctrain.checkpoint.manager import select_checkpoint
+from hpctrain.checkpoint.policy import select_checkpoint
 from hpctrain.checkpoint.policy import save_due, steps_to_delete
 from hpctrain.errors import UserError
 

@@ -13,10 +13,10 @@ import torch
 from PIL import Image
 
 from hpctrain.cli import main
-from hpctrain.data import fixtures
+from hpctrain.datasets import fixtures
 from hpctrain.data.paired import paired_crop_flip
 from hpctrain.data.shardset import ShardDataset
-from hpctrain.data.sources import celebamask, cifar10
+from hpctrain.datasets.sources import celebamask, cifar10
 from hpctrain.errors import UserError
 
 

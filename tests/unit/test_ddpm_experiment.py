@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from hpctrain.config.load import load_config
-from hpctrain.data.fixtures import make_cifar10
+from hpctrain.datasets.fixtures import make_cifar10
 from hpctrain.dist.runtime import single_process_runtime
 from hpctrain.errors import UserError
 from hpctrain.experiments.ddpm.experiment import DDPMCifar10, DDPMDigits, _flip_batch, _flip_sample
 from hpctrain.experiments.ddpm.sampling import draw_samples, strip_timesteps
 from hpctrain.metrics.sinks import MetricsLogger
-from hpctrain.train.outputs import Outputs
+from hpctrain.experiments.outputs import Outputs
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "ddpm_cifar10_tiny.toml"

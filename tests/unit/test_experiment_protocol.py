@@ -23,7 +23,7 @@ from hpctrain.experiments.base import BatchInfo, Experiment, call_train_loss
 from hpctrain.metrics.images import image_grid
 from hpctrain.metrics.sinks import MetricsLogger, PngSink
 from hpctrain.train.evaluate import evaluate
-from hpctrain.train.outputs import Outputs, run_outputs
+from hpctrain.experiments.outputs import Outputs, run_outputs
 from hpctrain.train.precision import Precision
 
 FP32 = Precision("fp32", None, "cpu")

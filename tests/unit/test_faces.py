@@ -1,4 +1,4 @@
-"""The generated face set (hpctrain.data.faces): the CelebAMask-HQ layout as celebamask reads it, determinism,
+"""The generated face set (hpctrain.datasets.faces): the CelebAMask-HQ layout as celebamask reads it, determinism,
 every class present, the left/right convention under a flip, images that show what the labels say, and
 `hpctrain shard` packing it."""
 
@@ -12,8 +12,8 @@ import pytest
 from PIL import Image
 
 from hpctrain.cli import main
-from hpctrain.data import faces
-from hpctrain.data.sources import celebamask
+from hpctrain.datasets import faces
+from hpctrain.datasets.sources import celebamask
 from hpctrain.errors import UserError
 
 C = {name: i for i, name in enumerate(celebamask.CLASSES)}

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from hpctrain.config.load import load_config
-from hpctrain.data.fixtures import make_celebamask
-from hpctrain.data.sources import celebamask
+from hpctrain.datasets.fixtures import make_celebamask
+from hpctrain.datasets.sources import celebamask
 from hpctrain.errors import UserError
 from hpctrain.experiments.faceseg.experiment import FaceSegCelebAMask, FaceSegGenerated
 

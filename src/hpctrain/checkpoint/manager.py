@@ -32,6 +32,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from hpctrain.checkpoint import policy, storage
+from hpctrain.checkpoint.policy import select_checkpoint
 from hpctrain.checkpoint import state_dicts as dcp_state
 from hpctrain.checkpoint.background import BackgroundWriter
 from hpctrain.checkpoint.snapshot import cpu_snapshot
@@ -46,42 +47,6 @@ from hpctrain.errors import UserError, on_every_rank
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
-
-
-def select_checkpoint(
-    root: Path, resume: str, experiment: str, verify_checksums: bool = True
-) -> tuple[Checked | None, list[Checked]]:
-    """Which checkpoint a run starts from, per ckpt.resume; None for a fresh start.
-
-    Raises UserError (and deletes nothing) when the choice is impossible."""
-    if resume == "never":
-        existing = storage.list_checkpoints(root)
-        if existing:
-            raise UserError(
-                f"ckpt.resume=never, but '{root}' already holds checkpoints ({existing[0].name} ...)",
-                "use a new run.dir, or ckpt.resume=auto to continue that run.",
-            )
-        return None, []
-    if resume == "auto":
-        chosen, skipped = storage.find_latest_valid(root, verify_checksums)
-        if chosen is None and skipped:
-            reasons = "; ".join(f"{c.path.name}: {c.problem}" for c in skipped)
-            raise UserError(
-                f"'{root}' holds checkpoints, but none is valid ({reasons}); nothing was deleted",
-                "point ckpt.resume at a good checkpoint directory, or move the run dir away and start anew.",
-            )
-    else:
-        chosen, skipped = storage.check_checkpoint(Path(resume), verify_checksums), []
-        if not chosen.valid:
-            raise UserError(f"checkpoint '{resume}' is not usable: {chosen.problem}", "give another checkpoint directory.")
-    if chosen is not None:
-        saved_for = chosen.manifest.get("experiment") if chosen.manifest else None
-        if saved_for != experiment:
-            raise UserError(
-                f"checkpoint '{chosen.path}' was written by experiment '{saved_for}', not '{experiment}'",
-                f"use another run.dir for '{experiment}' (run.dir=...), or train '{saved_for}' to continue that run.",
-            )
-    return chosen, skipped
 
 
 @dataclass(frozen=True)

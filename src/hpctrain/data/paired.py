@@ -2,7 +2,7 @@
 
 A horizontal flip mirrors the face, so a left eye becomes a right eye: the label map's
 left/right classes are swapped through ``flip_perm`` (for CelebAMask-HQ:
-:func:`hpctrain.data.sources.celebamask.flip_permutation`)."""
+:func:`hpctrain.datasets.sources.celebamask.flip_permutation`)."""
 
 from __future__ import annotations
 

@@ -121,8 +121,8 @@ def _write_one_split(req: ShardRequest, split: str, samples: Iterator[dict[str, 
 
 
 def _cifar10(req: ShardRequest):
-    from hpctrain.data.sources import cifar10
-    from hpctrain.data.sources.images import encode_png
+    from hpctrain.datasets.sources import cifar10
+    from hpctrain.datasets.sources.images import encode_png
 
     cifar10.check_present(req.source, req.download)
     for split in ("train", "test"):
@@ -137,8 +137,8 @@ def _cifar10(req: ShardRequest):
 
 
 def _celebamask(req: ShardRequest):
-    from hpctrain.data.sources import celebamask
-    from hpctrain.data.sources.images import encode_png
+    from hpctrain.datasets.sources import celebamask
+    from hpctrain.datasets.sources.images import encode_png
 
     ids = celebamask.image_ids(req.source)
     for split, members in celebamask.splits(req.source, ids).items():
@@ -157,7 +157,7 @@ def _celebamask(req: ShardRequest):
 
 
 def _imagefolder(req: ShardRequest):
-    from hpctrain.data.sources import imagefolder
+    from hpctrain.datasets.sources import imagefolder
 
     for split, directory in imagefolder.split_dirs(req.source).items():
         names = imagefolder.classes(directory)
@@ -181,7 +181,7 @@ def _image_payload(path: Path, resize: int) -> tuple[bytes, str]:
 
     from PIL import Image
 
-    from hpctrain.data.sources.images import resize_shorter
+    from hpctrain.datasets.sources.images import resize_shorter
 
     data = path.read_bytes()
     ext = path.suffix.lower().lstrip(".")

@@ -29,7 +29,7 @@ from hpctrain.config.schema import NoModelOptions, RunConfig
 from hpctrain.data.positional import positional_rand, positional_randint, positional_randn
 
 if TYPE_CHECKING:
-    from hpctrain.train.outputs import Outputs
+    from hpctrain.experiments.outputs import Outputs
 
 DRAW_BLOCK = 64
 """Per-sample draws come in blocks of this many positions, each from its own generator: a rank draws the blocks

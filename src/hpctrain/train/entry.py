@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpctrain.checkpoint.manager import select_checkpoint
+from hpctrain.checkpoint.policy import select_checkpoint
 from hpctrain.config import config_to_toml, load_config, plan_batches
 from hpctrain.config.schema import RunConfig
 from hpctrain.dist.env import LaunchInfo, detect_launch

@@ -21,7 +21,7 @@ from hpctrain.monitor.gpu_busy import LOADER_BOUND, StepFacts, host_bound, host_
 from hpctrain.train.context import TrainContext
 from hpctrain.train.evaluate import evaluate
 from hpctrain.train.optim import base_lr
-from hpctrain.train.outputs import Outputs, run_outputs
+from hpctrain.experiments.outputs import Outputs, run_outputs
 from hpctrain.train.rng import capture_rng
 from hpctrain.train.skips import settle_skips, skip_fields
 

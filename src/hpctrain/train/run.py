@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from hpctrain.checkpoint.manager import Checkpointer, Resumed, select_checkpoint
+from hpctrain.checkpoint.manager import Checkpointer, Resumed
+from hpctrain.checkpoint.policy import select_checkpoint
 from hpctrain.config.batch import plan_batches
 from hpctrain.config.schema import RunConfig
 from hpctrain.data.device_loader import DeviceLoader, dataset_tensors

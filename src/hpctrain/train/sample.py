@@ -102,7 +102,7 @@ def check_can_sample(cls: type[Experiment], overrides: tuple[str, ...]) -> None:
 
 def resolve_sample(run_dir: Path, overrides: tuple[str, ...]) -> tuple[type[Experiment], RunConfig]:
     """resolve_run, after checking that the run's experiment can be sampled as asked."""
-    from hpctrain.checkpoint.manager import select_checkpoint
+    from hpctrain.checkpoint.policy import select_checkpoint
 
     cls = resolve_experiment(run_experiment_name(run_config_path(run_dir)))
     check_can_sample(cls, overrides)
@@ -144,7 +144,7 @@ def draw(cfg: RunConfig, runtime, experiment: Experiment, out_dir: Path) -> list
     """Collective: load the checkpoint's shipped weights on every rank, run the outputs hook, return the PNGs
     rank 0 wrote (empty on the other ranks)."""
     from hpctrain.checkpoint.manager import Checkpointer
-    from hpctrain.train.outputs import Outputs, run_outputs
+    from hpctrain.experiments.outputs import Outputs, run_outputs
     from hpctrain.train.precision import resolve_precision
 
     check_out_dir(out_dir, Path(cfg.run_dir))

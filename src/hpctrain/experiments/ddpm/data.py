@@ -27,7 +27,7 @@ def load_images(o, data: DataSection) -> tuple[Dataset, Dataset]:
 
 
 def _cifar10(root: Path, split: str) -> TensorDataset:
-    from hpctrain.data.sources import cifar10
+    from hpctrain.datasets.sources import cifar10
 
     cifar10.check_present(root, download_if_missing=False)
     images, labels = [], []
@@ -76,7 +76,7 @@ def _upsampled(ds: TensorDataset, size: int) -> TensorDataset:
 
 def _fixture(n: int, size: int, seed: int) -> TensorDataset:
     """CIFAR-like generated patterns (the test fixtures' generator): for smoke tests without CIFAR-10."""
-    from hpctrain.data.fixtures import pattern_image
+    from hpctrain.datasets.fixtures import pattern_image
 
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, 10, n)

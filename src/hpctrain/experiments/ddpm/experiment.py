@@ -23,7 +23,7 @@ from hpctrain.errors import UserError
 from hpctrain.experiments.base import BatchInfo, Datasets, Experiment
 from hpctrain.experiments.ddpm.diffusion import GaussianDiffusion
 from hpctrain.experiments.ddpm.model import UNet
-from hpctrain.train.outputs import Outputs
+from hpctrain.experiments.outputs import Outputs
 
 LOSS_BUCKETS = 4
 """The validation loss is also reported per quarter of the timestep range (loss_t0 = least noisy)."""

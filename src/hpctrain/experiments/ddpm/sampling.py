@@ -12,7 +12,7 @@ import time
 import torch
 from torch import nn
 
-from hpctrain.train.outputs import Outputs
+from hpctrain.experiments.outputs import Outputs
 
 
 def strip_timesteps(timesteps: int, columns: int) -> list[int]:

@@ -24,7 +24,7 @@ from torch.utils.data import Dataset
 
 from hpctrain.data.gpu_decode import Crop, draw_crop
 from hpctrain.data.paired import paired_crop_flip, resize_bilinear, resize_nearest
-from hpctrain.data.sources import celebamask
+from hpctrain.datasets.sources import celebamask
 from hpctrain.errors import UserError
 from hpctrain.experiments.base import Datasets
 

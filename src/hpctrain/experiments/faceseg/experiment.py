@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpctrain.data.sources.celebamask import CLASSES
+from hpctrain.datasets.sources.celebamask import CLASSES
 from hpctrain.errors import UserError
 from hpctrain.experiments.base import Datasets, Experiment
 from hpctrain.metrics.segmentation import confusion_matrix, iou_table, segmentation_metrics
-from hpctrain.train.outputs import Outputs
+from hpctrain.experiments.outputs import Outputs
 
 log = logging.getLogger("hpctrain")
 

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from hpctrain.data.sources.celebamask import CLASSES
+from hpctrain.datasets.sources.celebamask import CLASSES
 
 PALETTE = np.array([
     [0, 0, 0], [204, 0, 0], [76, 153, 0], [204, 204, 0], [51, 51, 255], [204, 0, 204], [0, 255, 255],

@@ -125,7 +125,7 @@ def image_size(data: bytes) -> tuple[int, int]:
 
 def samples(root: Path, ids: list[int], resize: int) -> Iterator[tuple[int, bytes, np.ndarray]]:
     """(id, JPEG bytes, label map of the same size) per image; the image is pre-resized when ``resize``."""
-    from hpctrain.data.sources.images import resize_shorter
+    from hpctrain.datasets.sources.images import resize_shorter
 
     for image_id in ids:
         data = read_image(root, image_id)

@@ -4,7 +4,7 @@
     CelebAMask-HQ-mask-anno/<id // 2000>/<id:05d>_<part>.png  one 0/255 "L" mask per present part, mask_size
     CelebA-HQ-to-CelebA-mapping.txt, list_eval_partition.txt  (standard_split) 80/10/10 train/val/test
 
-so everything that reads the release (:mod:`hpctrain.data.sources.celebamask`, ``hpctrain shard --format
+so everything that reads the release (:mod:`hpctrain.datasets.sources.celebamask`, ``hpctrain shard --format
 celebamask``, the faceseg experiment) reads it unchanged. The faces are drawn cartoons with all 18 parts
 (glasses, hats, earrings, necklaces, an open mouth only sometimes; hair short, long, voluminous or none),
 a random pose (rotation up to 20 degrees, scale, shift), random colours, a cluttered background, light
@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-from hpctrain.data.sources import celebamask
+from hpctrain.datasets.sources import celebamask
 from hpctrain.errors import UserError
 
 LEFT = -1.0  # the l_* parts lie on the image's left (x < 0 in face units): the viewer's left, as in the release

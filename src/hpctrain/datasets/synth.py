@@ -1,4 +1,4 @@
-"""`hpctrain synth faces OUT`: the generated face set (:mod:`hpctrain.data.faces`) written whole or not at all."""
+"""`hpctrain synth faces OUT`: the generated face set (:mod:`hpctrain.datasets.faces`) written whole or not at all."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ log = logging.getLogger("hpctrain")
 
 def synth_faces(out: Path, count: int, size: int, seed: int) -> Path:
     """Generate into OUT.tmp-PID, then rename to OUT: an interrupted run leaves no half set under OUT."""
-    from hpctrain.data.faces import make_faces
+    from hpctrain.datasets.faces import make_faces
 
     if count < 10:
         raise UserError(f"--count {count} is too few for a train/val/test split", "use at least 10 (e.g. 3000).")

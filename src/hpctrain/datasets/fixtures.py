@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from hpctrain.data.sources import celebamask, cifar10
+from hpctrain.datasets.sources import celebamask, cifar10
 
 
 def pattern_image(rng: np.random.Generator, label: int, size: int) -> np.ndarray:
