@@ -123,7 +123,7 @@ def loader(name: str, files: Path, shards: Path, workers: int, batch: int, rank:
         order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(0))[rank::readers].tolist()
         return DataLoader(ds, batch_size=batch, sampler=order, **common)
     if name == "hpctrain":
-        from hpctrain.config.batch import plan_batches
+        from hpctrain.config.batch import batch_sizes
         from hpctrain.config.schema import DataSection
         from hpctrain.data.loader import build_loader
         from hpctrain.data.sampler import StepBatchSampler
@@ -131,7 +131,7 @@ def loader(name: str, files: Path, shards: Path, workers: int, batch: int, rank:
         from hpctrain.dist.runtime import Runtime
 
         ds = ShardDataset(shards, ["jpg", "cls"])  # decodes with torchvision too
-        plan = plan_batches(batch * readers, batch, readers)
+        plan = batch_sizes(batch * readers, batch, readers)
         sampler = StepBatchSampler(len(ds), plan, rank, seed=0, order=ds.epoch_order)
         runtime = Runtime(launcher="single", rank=rank, local_rank=rank, world_size=readers,
                           local_world_size=readers, node_rank=0,

@@ -115,7 +115,7 @@ def loader_rate(shards: Path, size: int, workers: int, batch: int, gpu_decode: b
     worker's first batch (its start-up and first-sample warm-up are not the steady rate)."""
     import dataclasses
 
-    from hpctrain.config.batch import plan_batches
+    from hpctrain.config.batch import batch_sizes
     from hpctrain.data.loader import build_loader
     from hpctrain.data.sampler import StepBatchSampler
     from hpctrain.dist.runtime import single_process_runtime
@@ -123,7 +123,7 @@ def loader_rate(shards: Path, size: int, workers: int, batch: int, gpu_decode: b
     cfg, data = experiment_data(shards, size, gpu_decode=gpu_decode)
     data_cfg = dataclasses.replace(cfg.data, num_workers=workers, pin_memory=True)
     runtime = single_process_runtime(torch.device("cpu"))
-    sampler = StepBatchSampler(len(data.train), plan_batches(batch, batch, 1), 0, 0)
+    sampler = StepBatchSampler(len(data.train), batch_sizes(batch, batch, 1), 0, 0)
     loader = build_loader(data.train, sampler, data_cfg, runtime, collate_fn=data.collate_fn, transform=data.train_transform)
     batches = iter(loader)
     for _ in range(max(1, workers)):

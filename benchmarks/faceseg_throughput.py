@@ -359,7 +359,7 @@ class ContinuingLoader:
 def continuing_loop(experiment, cfg: RunConfig, device: torch.device) -> HpctrainLoop:
     """hpctrain's loop with its loader going on across timed windows (see ContinuingLoader)."""
     hpc = HpctrainLoop(experiment, cfg, device)
-    if hpc.ctx.plan.grad_accum != 1:
+    if hpc.ctx.batches.grad_accum != 1:
         raise RuntimeError("the continuing loader counts one batch a step: needs micro batch = batch")
     hpc.ctx.train_loader = ContinuingLoader(hpc.ctx.train_loader, hpc.ctx.sampler)
     return hpc

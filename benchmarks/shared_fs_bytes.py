@@ -28,7 +28,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from hpctrain.config.batch import plan_batches
+from hpctrain.config.batch import batch_sizes
 from hpctrain.data.sampler import StepBatchSampler
 from hpctrain.data.shard_local import RankLayout, shard_local_order
 from hpctrain.data.shardset import shard_epoch_order
@@ -82,7 +82,7 @@ def tar_layout(ds: DataSet, shard_bytes: int) -> Layout:
 def node_bytes(layout: Layout, order: torch.Tensor, nodes: int, ranks_per_node: int, per_rank: int,
                block: int) -> np.ndarray:
     """Bytes read from the shared file system by each node in one epoch: its distinct blocks."""
-    plan = plan_batches(nodes * ranks_per_node * per_rank, per_rank, nodes * ranks_per_node)
+    plan = batch_sizes(nodes * ranks_per_node * per_rank, per_rank, nodes * ranks_per_node)
     steps = len(order) // plan.global_batch_size
     out = np.zeros(nodes)
     # Per-shard block ids made global, so that one unique() counts a node's blocks.

@@ -120,7 +120,7 @@ def step_under(around: contextlib.AbstractContextManager, mode: str, micro: int,
 
         def step() -> None:
             ctx.stepper(ctx, batches, loop._Window(ctx.state.step))
-            ctx.state.advance(ctx.plan.global_batch_size, ctx.sampler.steps_per_epoch)
+            ctx.state.advance(ctx.batches.global_batch_size, ctx.sampler.steps_per_epoch)
 
         for _ in range(warmup + (2 if mode == "graphed" else 0)):
             step()

@@ -254,7 +254,7 @@ def _running_tasks(cluster, array_id: str) -> list[int]:
 def test_a_sweep_array_runs_every_point_survives_a_preemption_and_equals_runs_made_alone(cluster, tmp_path):
     """4 points, at most 2 at once; one running point preempted with USR2 is requeued and resumes its own
     checkpoint; all finish; every point's validation metrics and weights equal `hpctrain train` of its config."""
-    from hpctrain.sweep.plan import read_plan
+    from hpctrain.sweep.spec import read_plan
 
     sweep, env = tmp_path / "sweep", {"SLURM_CONF": str(cluster.conf)}
     res = run_hpctrain(["sweep", "submit", "digits", *SWEEP, *GRID, "--max-parallel", "2", "--dir", str(sweep)],

@@ -1,26 +1,26 @@
 import pytest
 
-from hpctrain.config.batch import plan_batches, steps_per_epoch, valid_micro_batch_sizes
+from hpctrain.config.batch import batch_sizes, steps_per_epoch, valid_micro_batch_sizes
 from hpctrain.errors import UserError
 
 
 @pytest.mark.parametrize("world, accum", [(1, 8), (2, 4), (4, 2), (8, 1)])
 def test_accumulation_keeps_the_global_batch(world, accum):
-    plan = plan_batches(256, 32, world)
+    plan = batch_sizes(256, 32, world)
     assert plan.grad_accum == accum
     assert plan.micro_batch_size * plan.world_size * plan.grad_accum == 256
 
 
 def test_micro_batch_that_does_not_divide_lists_valid_sizes():
     with pytest.raises(UserError) as err:
-        plan_batches(96, 20, 4)  # 24 per rank
+        batch_sizes(96, 20, 4)  # 24 per rank
     assert "train.micro_batch_size=20" in str(err.value)
     assert "1, 2, 3, 4, 6, 8, 12, 24" in err.value.hint
 
 
 def test_global_batch_not_divisible_by_world():
     with pytest.raises(UserError, match="cannot be split evenly across 3 processes"):
-        plan_batches(100, 25, 3)
+        batch_sizes(100, 25, 3)
     assert valid_micro_batch_sizes(100, 3) == []
 
 

@@ -10,7 +10,7 @@ from PIL import Image
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from hpctrain.config.batch import plan_batches
+from hpctrain.config.batch import batch_sizes
 from hpctrain.config.schema import DataSection
 from hpctrain.data.device_loader import DeviceLoader, dataset_tensors
 from hpctrain.data.loader import build_loader
@@ -158,7 +158,7 @@ def test_device_loader_cuts_the_loaders_batches():
     n = 40
     ds = TensorDataset(torch.arange(n * 2).view(n, 2), torch.arange(n))
     for world in (1, 2):
-        plan = plan_batches(8, 2, world)
+        plan = batch_sizes(8, 2, world)
         for rank in range(world):
             rt = single_process_runtime(torch.device("cpu"))
             s1, s2 = StepBatchSampler(n, plan, rank, seed=5), StepBatchSampler(n, plan, rank, seed=5)
@@ -177,7 +177,7 @@ def test_device_loader_augment_draws_per_sample_not_per_rank():
     seen = {}
     for world in (1, 2):
         for rank in range(world):
-            s = StepBatchSampler(n, plan_batches(8, 4, world), rank, seed=1)
+            s = StepBatchSampler(n, batch_sizes(8, 4, world), rank, seed=1)
             s.set_position(0, 0)
             loader = DeviceLoader(ds.tensors, s, torch.device("cpu"), 1, lambda b, u: (b[0], u[:, 0]), draws=1)
             for index, u in loader:
@@ -293,7 +293,7 @@ def test_on_device_refuses_an_experiment_that_augments_only_on_the_host():
     cfg = load_config("digits", DigitsExperiment.config_class, experiment_defaults=DigitsExperiment.defaults,
                       overrides=["data.on_device=true"])
     data = DigitsExperiment(cfg).build_datasets()
-    sampler = StepBatchSampler(len(data.train), plan_batches(100, 25, 1), 0, seed=0)
+    sampler = StepBatchSampler(len(data.train), batch_sizes(100, 25, 1), 0, seed=0)
     with pytest.raises(UserError, match="device_transform"):
         _train_loader(cfg, single_process_runtime(torch.device("cpu")), data, sampler)
     no_augment = load_config("digits", DigitsExperiment.config_class, experiment_defaults=DigitsExperiment.defaults,

@@ -159,7 +159,7 @@ def test_step_facts_read_the_step_that_runs_and_what_it_could_be():
     def ctx(cfg, stepper=None, device="cuda:0", precision=BF16):
         return SimpleNamespace(cfg=cfg, runtime=_runtime(device), precision=precision, stepper=stepper or object(),
                                experiment=SimpleNamespace(graphable=True),
-                               plan=SimpleNamespace(grad_accum=2, micro_batch_size=32))
+                               batches=SimpleNamespace(grad_accum=2, micro_batch_size=32))
 
     explicit = loop.step_facts(ctx(_cfg("train.step_mode=compiled")))
     assert explicit.mode == "compiled" and explicit.capture_refusal == ""  # not only train.compile=true
@@ -187,7 +187,7 @@ def _ctx(stepper=None):
 
     return SimpleNamespace(runtime=single_process_runtime(torch.device("cpu")), cfg=_cfg(), metrics=Recorder(),
                            state=SimpleNamespace(step=0, epoch=0), total_steps=100, stepper=stepper or object(),
-                           plan=SimpleNamespace(global_batch_size=32, micro_batch_size=32, grad_accum=1),
+                           batches=SimpleNamespace(global_batch_size=32, micro_batch_size=32, grad_accum=1),
                            train_loader=None, precision=BF16, experiment=SimpleNamespace(graphable=True))
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from hpctrain.config.batch import plan_batches
+from hpctrain.config.batch import batch_sizes
 from hpctrain.config.schema import DataSection
 from hpctrain.data.gpu_decode import FULL, Crop, collate_encoded, crop_resize_flip, decode_images, draw_crop, encoded_crop_flip
 from hpctrain.data.loader import build_loader
@@ -51,7 +51,7 @@ def test_encoded_batches_through_workers_decode_like_the_cpu_path(tmp_path: Path
                 1 << 20)
     raw = ShardDataset(tmp_path, ["jpg", "cls"], decode=False)
     decoded = ShardDataset(tmp_path, ["jpg", "cls"])
-    plan = plan_batches(8, 4, 1)
+    plan = batch_sizes(8, 4, 1)
     sampler = StepBatchSampler(len(raw), plan, 0, seed=1, order=raw.epoch_order)
     cfg = DataSection(num_workers=1, worker_start="fork")
     loader = build_loader(raw, sampler, cfg, runtime(0, 1), collate_fn=collate_encoded, seed=1, transform=encoded_crop_flip)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from hpctrain.cli import main
-from hpctrain.perf.plan import Layout, StepProfile, advise, allreduce_seconds, bucket_sizes, estimate, exposed_communication
+from hpctrain.perf.plan import ClusterShape, StepProfile, advise, allreduce_seconds, bucket_sizes, estimate, exposed_communication
 
 # forward 100 ms, backward 200 ms, optimizer 10 ms, 100 MB of gradients, micro batch 32
 PROFILE = StepProfile(forward_s=0.1, backward_s=0.2, optimizer_s=0.01, grad_bytes=100_000_000, micro_batch=32)
@@ -21,7 +21,7 @@ def test_ring_allreduce_time_is_bytes_times_two_n_minus_one_over_n_over_busbw():
 def test_hidden_communication_only_the_last_bucket_shows():
     # 4 ranks at 10 GB/s: each 25 MB bucket takes 3.75 ms, ready every 50 ms of backward:
     # all but the last are hidden; the last starts at 200 ms and ends at 203.75 ms.
-    e = estimate(PROFILE, Layout(2, 2, bucket_bytes=25_000_000), busbw_gbps=10.0)
+    e = estimate(PROFILE, ClusterShape(2, 2, bucket_bytes=25_000_000), busbw_gbps=10.0)
     assert e.compute_s == pytest.approx(0.31)
     assert e.comm_s == pytest.approx(0.015)
     assert e.exposed_comm_s == pytest.approx(0.00375)
@@ -32,32 +32,32 @@ def test_hidden_communication_only_the_last_bucket_shows():
 
 def test_communication_bound_buckets_queue_up():
     # 0.1 GB/s: a bucket takes 375 ms; ready at 50/100/150/200 ms -> ends 425, 800, 1175, 1550 ms.
-    e = estimate(PROFILE, Layout(2, 2, bucket_bytes=25_000_000), busbw_gbps=0.1)
+    e = estimate(PROFILE, ClusterShape(2, 2, bucket_bytes=25_000_000), busbw_gbps=0.1)
     assert e.exposed_comm_s == pytest.approx(1.55 - 0.2)
     assert e.step_s == pytest.approx(0.31 + 1.35)
     assert exposed_communication(0.2, [25, 25, 25, 25], 0.375 / 25) == pytest.approx(1.35)
 
 
 def test_accumulation_and_compression():
-    accum = estimate(PROFILE, Layout(2, 2, grad_accum=4, bucket_bytes=25_000_000), busbw_gbps=0.1)
+    accum = estimate(PROFILE, ClusterShape(2, 2, grad_accum=4, bucket_bytes=25_000_000), busbw_gbps=0.1)
     assert accum.compute_s == pytest.approx(4 * 0.3 + 0.01)  # the all-reduce happens once per step
     assert accum.exposed_comm_s == pytest.approx(1.35)
-    bf16 = estimate(PROFILE, Layout(2, 2, bucket_bytes=25_000_000, compression="bf16"), busbw_gbps=0.1)
+    bf16 = estimate(PROFILE, ClusterShape(2, 2, bucket_bytes=25_000_000, compression="bf16"), busbw_gbps=0.1)
     assert bf16.comm_s == pytest.approx(0.75)  # half the bytes: 187.5 ms per bucket -> ends at 800 ms
     assert bf16.exposed_comm_s == pytest.approx(0.8 - 0.2)
-    single = estimate(PROFILE, Layout(1, 1, bucket_bytes=25_000_000), busbw_gbps=0.1)
+    single = estimate(PROFILE, ClusterShape(1, 1, bucket_bytes=25_000_000), busbw_gbps=0.1)
     assert single.exposed_comm_s == 0 and single.efficiency == 1.0
 
 
 def test_advice_names_the_accumulation_that_reaches_the_target():
-    advice = advise(PROFILE, Layout(2, 2, bucket_bytes=25_000_000), busbw_gbps=1.0)
+    advice = advise(PROFILE, ClusterShape(2, 2, bucket_bytes=25_000_000), busbw_gbps=1.0)
     # 1 GB/s: 37.5 ms per bucket; ready at 50, 100, 150, 200 -> last ends at 237.5: 37.5 ms exposed of 347.5 ms.
     assert advice.bound
     assert "communication-bound" in advice.lines[0] and "89%" in advice.lines[0]
     assert any("bf16" in line for line in advice.lines)
     # 2 micro-batches: 37.5 / (0.61 + 0.0375) -> 94%.
     assert any(line.startswith("2 micro-batches per step") and "94%" in line for line in advice.lines)
-    assert not advise(PROFILE, Layout(2, 2, bucket_bytes=25_000_000), busbw_gbps=10.0).bound
+    assert not advise(PROFILE, ClusterShape(2, 2, bucket_bytes=25_000_000), busbw_gbps=10.0).bound
 
 
 def test_plan_command_measures_and_prints(capsys):

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from hpctrain.config.batch import plan_batches
+from hpctrain.config.batch import batch_sizes
 from hpctrain.config.schema import DataSection
 from hpctrain.data.loader import KeyedDataset, build_loader
 from hpctrain.data.sampler import EvalBatchSampler, SampleKey, StepBatchSampler
@@ -15,7 +15,7 @@ from hpctrain.dist.runtime import single_process_runtime
 
 def steps_of(n, global_batch, micro, world, seed=0, epoch=0, start=0):
     """{step: set of sample indices, all ranks together} and the per-rank batch lists."""
-    plan = plan_batches(global_batch, micro, world)
+    plan = batch_sizes(global_batch, micro, world)
     per_rank = []
     for rank in range(world):
         s = StepBatchSampler(n, plan, rank, seed)
@@ -56,7 +56,7 @@ def test_resume_mid_epoch_on_any_world_size_continues_the_same_steps(world_befor
     full, _ = steps_of(1000, 40, 5, world_before)
     rest, _ = steps_of(1000, 40, 5, world_after, start=9)
     assert rest == {k: v for k, v in full.items() if k >= 9}
-    plan = plan_batches(40, 5, world_after)
+    plan = batch_sizes(40, 5, world_after)
     s = StepBatchSampler(1000, plan, 0, 0)
     s.set_position(0, 9)
     assert len(s) == len(list(s)) == (25 - 9) * plan.grad_accum
@@ -89,7 +89,7 @@ def test_loader_without_workers_matches_torch_dataloader_batches_and_rng():
     """The in-process path (no workers, no pinning) yields DataLoader's batches and draws from the global RNG
     what DataLoader draws, so a model's random stream does not change with it."""
     data = TensorDataset(torch.arange(40.0).view(20, 2), torch.arange(20))
-    sampler = StepBatchSampler(20, plan_batches(4, 2, 1), 0, seed=5)
+    sampler = StepBatchSampler(20, batch_sizes(4, 2, 1), 0, seed=5)
     cfg = dataclasses.replace(DataSection(), num_workers=0, pin_memory=False)
     loader = build_loader(data, sampler, cfg, single_process_runtime(torch.device("cpu")), seed=5)
 

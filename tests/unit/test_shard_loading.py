@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpctrain.config.batch import plan_batches
+from hpctrain.config.batch import batch_sizes
 from hpctrain.config.schema import DataSection
 from hpctrain.data.loader import build_loader
 from hpctrain.data.sampler import StepBatchSampler
@@ -43,7 +43,7 @@ def shards(tmp_path_factory) -> Path:
 def steps_seen(root: Path, world: int, workers: int, epoch: int = 0, start: int = 0, **data) -> list[list[int]]:
     """Per optimizer step, the sorted global sample numbers all ranks consumed."""
     cfg = DataSection(num_workers=workers, worker_start="fork" if workers else "forkserver", **data)
-    plan = plan_batches(GLOBAL, MICRO, world)
+    plan = batch_sizes(GLOBAL, MICRO, world)
     per_step: dict[int, list[int]] = {}
     counts = []
     for rank in range(world):
@@ -89,7 +89,7 @@ def test_unreadable_samples_stop_with_their_name_or_are_counted(tmp_path: Path):
 
     def loader(on_error: str, workers: int):
         ds = ShardDataset(tmp_path, ["cls"], num_classes=30)
-        plan = plan_batches(GLOBAL, MICRO, 1)
+        plan = batch_sizes(GLOBAL, MICRO, 1)
         sampler = StepBatchSampler(len(ds), plan, 0, SEED, order=ds.epoch_order)
         cfg = DataSection(num_workers=workers, worker_start="fork", on_error=on_error)
         return build_loader(ds, sampler, cfg, runtime(0, 1), collate_fn=lambda b: [s[0] for s in b], seed=SEED)

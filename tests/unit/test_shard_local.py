@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpctrain.config.batch import plan_batches
+from hpctrain.config.batch import batch_sizes
 from hpctrain.config.schema import DataSection
 from hpctrain.data.loader import build_loader
 from hpctrain.data.sampler import StepBatchSampler
@@ -89,7 +89,7 @@ def shards(tmp_path_factory) -> Path:
 def rank_batches(root: Path, world: int, rank: int, workers: int, epoch: int = 0, start: int = 0):
     """One rank's loader as training builds it with data.order=shard_local: its batches, and the shards it opened."""
     cfg = DataSection(num_workers=workers, worker_start="fork", order="shard_local")
-    plan = plan_batches(12, 2, world)
+    plan = batch_sizes(12, 2, world)
     ds = ShardDataset(root, ["cls"], window=8)
     layout = RankLayout(world, plan.per_rank)
     sampler = StepBatchSampler(len(ds), plan, rank, SEED, order=lambda s, e, sh: ds.epoch_order(s, e, sh, layout=layout))
@@ -211,7 +211,7 @@ def test_training_takes_the_order_data_order_names(shards: Path):
     from hpctrain.train.run import train_order
 
     ds = ShardDataset(shards, ["cls"], window=8)
-    data, plan = SimpleNamespace(train=ds), plan_batches(12, 2, 2)
+    data, plan = SimpleNamespace(train=ds), batch_sizes(12, 2, 2)
     local = train_order(_run_config("data.order=shard_local"), runtime(1, 2), data, plan)
     expected = shard_local_order(ds.sizes, SEED, 1, 8, RankLayout(2, 6))
     assert torch.equal(local(SEED, 1, True), expected)

@@ -147,10 +147,10 @@ def test_logs_follow_ends_when_the_job_has_ended(tmp_path, slurm, capsys, monkey
 
 def test_a_sweep_point_that_a_live_training_holds_is_refused_before_sbatch(tmp_path, slurm, capsys):
     """`sweep submit --local` (or a plain train) runs a point here: an array must not train it again at once."""
-    from hpctrain.sweep.plan import build_plan
+    from hpctrain.sweep.spec import build_sweep
 
     args = ("train.max_steps=4", "slurm.time=60", "ckpt.every_minutes=20")
-    plan, configs = build_plan("digits", None, args, ["optim.lr=0.1,0.2"], str(tmp_path / "s"))
+    plan, configs = build_sweep("digits", None, args, ["optim.lr=0.1,0.2"], str(tmp_path / "s"))
     point = Path(configs[plan.points[1].name].run_dir)
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
@@ -268,10 +268,10 @@ def test_status_shows_the_step_of_a_stop_not_the_last_train_record(tmp_path, slu
 
 
 def test_sweep_status_shows_the_step_of_a_stop(tmp_path):
-    from hpctrain.sweep.plan import build_plan
+    from hpctrain.sweep.spec import build_sweep
     from hpctrain.sweep.status import collect_status
 
-    plan, _ = build_plan("digits", None, ("train.max_steps=40",), ["optim.lr=0.1,0.2"], str(tmp_path / "s"))
+    plan, _ = build_sweep("digits", None, ("train.max_steps=40",), ["optim.lr=0.1,0.2"], str(tmp_path / "s"))
     run = plan.run_dir(plan.points[0])
     run.mkdir(parents=True)
     records = [{"step": 10, "split": "train", "epoch": 0, "loss": 0.5},

@@ -190,7 +190,7 @@ def _train(ctx, steps: int, poison: dict[int, str] | None = None,
     losses, norms = [], []
     for _ in range(steps):
         loss, norm = ctx.stepper(ctx, batches, window)
-        ctx.state.advance(ctx.plan.global_batch_size, ctx.sampler.steps_per_epoch)
+        ctx.state.advance(ctx.batches.global_batch_size, ctx.sampler.steps_per_epoch)
         losses.append(float(loss))
         norms.append(None if norm is None else float(norm))
     return losses, norms

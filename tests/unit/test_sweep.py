@@ -24,7 +24,7 @@ from hpctrain.slurm.facts import Facts
 from hpctrain.slurm.render import render_script
 from hpctrain.sweep import commands, status
 from hpctrain.sweep.grid import Axis, MAX_POINTS, grid_points, parse_axis
-from hpctrain.sweep.plan import build_plan, read_plan, write_plan
+from hpctrain.sweep.spec import build_sweep, read_plan, write_sweep
 from hpctrain.sweep.report import PointResult, point_results, sweep_table
 from tests.conftest import kill_tree, read_jsonl, run_hpctrain
 
@@ -72,36 +72,36 @@ def test_a_grid_above_the_limit_is_refused_unless_asked_for():
 
 def test_a_bad_value_names_its_point_and_key_and_an_unknown_key_gets_a_hint(tmp_path):
     with pytest.raises(UserError, match=r"sweep point p001_lr=fast \(optim.lr=fast\): .*optim.lr"):
-        build_plan("digits", None, (), ["optim.lr=0.1,fast"], str(tmp_path / "s"))
+        build_sweep("digits", None, (), ["optim.lr=0.1,fast"], str(tmp_path / "s"))
     with pytest.raises(UserError) as err:
-        build_plan("digits", None, (), ["optim.lrr=0.1"], str(tmp_path / "s"))
+        build_sweep("digits", None, (), ["optim.lrr=0.1"], str(tmp_path / "s"))
     assert "sweep point p000_lrr=0.1" in str(err.value) and "Did you mean 'optim.lr'?" in str(err.value)
     # the batch arithmetic of every point against the job's shape (2 nodes x 3 processes)
     with pytest.raises(UserError, match=r"sweep point p001_global_batch_size=32 .*: .*cannot be split evenly across 6"):
-        build_plan("digits", None, ("slurm.nodes=2", "slurm.gpus_per_node=3", "train.micro_batch_size=8"),
+        build_sweep("digits", None, ("slurm.nodes=2", "slurm.gpus_per_node=3", "train.micro_batch_size=8"),
                    ["train.global_batch_size=48,32"], str(tmp_path / "s"))
     assert not (tmp_path / "s").exists()  # nothing written for a refused sweep
 
 
 def test_the_sweep_dir_holds_one_sweep(tmp_path):
-    plan, configs = build_plan("digits", None, ("train.max_steps=4",), ["optim.lr=0.1,0.2"], str(tmp_path / "s"))
-    write_plan(plan, configs)
-    write_plan(plan, configs)  # the same sweep again: fine (going on with it)
+    plan, configs = build_sweep("digits", None, ("train.max_steps=4",), ["optim.lr=0.1,0.2"], str(tmp_path / "s"))
+    write_sweep(plan, configs)
+    write_sweep(plan, configs)  # the same sweep again: fine (going on with it)
     assert read_plan(tmp_path / "s") == plan
     assert "lr = 0.2" in (tmp_path / "s" / "configs" / "p001_lr=0.2.toml").read_text()
-    other, other_configs = build_plan("digits", None, (), ["optim.lr=0.3"], str(tmp_path / "s"))
+    other, other_configs = build_sweep("digits", None, (), ["optim.lr=0.3"], str(tmp_path / "s"))
     with pytest.raises(UserError, match="already holds another sweep"):
-        write_plan(other, other_configs)
+        write_sweep(other, other_configs)
     toml = tmp_path / "s" / "sweep.toml"  # the same axes, its points named otherwise (another hpctrain version)
     toml.write_text(toml.read_text().replace('"p001_lr=0.2"', '"p001_0.2"'))
     with pytest.raises(UserError, match="differs: its points' names"):
-        write_plan(plan, configs)
+        write_sweep(plan, configs)
 
 
 # ---- the array -------------------------------------------------------------------------------------------------
 
 def _array(tmp_path, *extra: str):
-    plan, configs = build_plan("digits", None, ("slurm.nodes=1", "slurm.gpus_per_node=1", "slurm.gpus=false",
+    plan, configs = build_sweep("digits", None, ("slurm.nodes=1", "slurm.gpus_per_node=1", "slurm.gpus=false",
                                                 *extra), ["optim.lr=1e-3,3e-3", "train.micro_batch_size=25,50"],
                                "/shared/sweeps/lr")
     spec = commands.array_spec(plan, configs, max_parallel=2)
@@ -142,7 +142,7 @@ def test_the_array_script_runs_its_point(tmp_path):
 
 def test_an_array_above_max_array_size_is_an_error_with_what_to_do(tmp_path):
     plan, spec = _array(tmp_path)
-    cfg = build_plan("digits", None, (), ["optim.lr=1e-3"], str(tmp_path / "x"))[1]["p000_lr=1e-3"]
+    cfg = build_sweep("digits", None, (), ["optim.lr=1e-3"], str(tmp_path / "x"))[1]["p000_lr=1e-3"]
     assert not [f for f in lint.lint(cfg, spec, Facts(max_array_size=4)) if f.key == "--grid"]  # indices 0..3 fit
     found = [f for f in lint.lint(cfg, spec, Facts(max_array_size=3)) if f.key == "--grid"]
     assert found and found[0].level == "error" and "MaxArraySize is 3" in found[0].message
@@ -151,11 +151,11 @@ def test_an_array_above_max_array_size_is_an_error_with_what_to_do(tmp_path):
 
 def test_a_failed_task_s_error_line_is_the_cause_not_the_script_s_last_line(tmp_path):
     from hpctrain.sweep.grid import Point
-    from hpctrain.sweep.plan import SweepPlan
+    from hpctrain.sweep.spec import SweepSpec
 
     sweep = tmp_path / "s"
     (sweep / "logs").mkdir(parents=True)
-    plan = SweepPlan(sweep, "digits", "", (), (Axis("optim.lr", ("0.1",)),), (Point(0, "p000_lr=0.1", ()),))
+    plan = SweepSpec(sweep, "digits", "", (), (Axis("optim.lr", ("0.1",)),), (Point(0, "p000_lr=0.1", ()),))
     (sweep / "logs" / "sweep-s_12_0.out").write_text(
         "hpctrain: sweep point p000_lr=0.1 (array task 0 of job 12)\nhpctrain: launching: srun ...\n"
         "12:00:01 INFO step: eager (auto: ...)\nhpctrain: worker rank 0 (local rank 0, pid 9, node1) failed first, "
@@ -215,14 +215,14 @@ def slurm(tmp_path, monkeypatch):
 
 
 def _lr_sweep(tmp_path, *settings: str, lrs: str = "0.1,0.2,0.3"):
-    plan, configs = build_plan("digits", None, ("train.max_steps=4", *settings), [f"optim.lr={lrs}"],
+    plan, configs = build_sweep("digits", None, ("train.max_steps=4", *settings), [f"optim.lr={lrs}"],
                                str(tmp_path / "s"))
     return plan, configs
 
 
 def _submit(plan, configs, fake: FakeSlurm, job_id: str, indices: tuple[int, ...] = ()) -> None:
     """What `sweep submit` records for an array (its script, its id), through job.submit and the stand-in sbatch."""
-    write_plan(plan, configs)
+    write_sweep(plan, configs)
     fake.answer("sbatch", "next", f"{job_id}\n")
     assert job.submit(render_script(commands.array_spec(plan, configs, 0, indices)), plan.sweep_dir) == job_id
 
@@ -328,9 +328,9 @@ def test_a_local_sweep_is_refused_while_its_array_is_queued_or_cannot_be_checked
 # ---- the report --------------------------------------------------------------------------------------------------
 
 def test_the_report_ranks_points_by_the_main_metric_marks_the_best_and_lists_failures():
-    from hpctrain.sweep.plan import SweepPlan
+    from hpctrain.sweep.spec import SweepSpec
 
-    plan = SweepPlan(Path("/s/lr"), "digits", "", (), (Axis("optim.lr", ("1e-3", "3e-3", "1e-2")),), ())
+    plan = SweepSpec(Path("/s/lr"), "digits", "", (), (Axis("optim.lr", ("1e-3", "3e-3", "1e-2")),), ())
     results = [
         PointResult("p000_lr=1e-3", (("optim.lr", "1e-3"),), "done", 40, 0.91, 0.92, 30),
         PointResult("p001_lr=3e-3", (("optim.lr", "3e-3"),), "done", 40, 0.95, 0.95, 40),

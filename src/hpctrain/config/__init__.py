@@ -1,7 +1,7 @@
 """Configuration: frozen schema, strict loading, batch arithmetic."""
 
-from hpctrain.config.batch import BatchPlan, plan_batches
+from hpctrain.config.batch import BatchSizes, batch_sizes
 from hpctrain.config.load import config_to_toml, load_config
 from hpctrain.config.schema import RunConfig
 
-__all__ = ["BatchPlan", "RunConfig", "config_to_toml", "load_config", "plan_batches"]
+__all__ = ["BatchSizes", "RunConfig", "config_to_toml", "load_config", "batch_sizes"]

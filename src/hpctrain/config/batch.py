@@ -13,7 +13,7 @@ from hpctrain.errors import UserError
 
 
 @dataclass(frozen=True)
-class BatchPlan:
+class BatchSizes:
     global_batch_size: int
     """Samples per optimizer step, all ranks together."""
     micro_batch_size: int
@@ -36,7 +36,7 @@ def valid_micro_batch_sizes(global_batch_size: int, world_size: int) -> list[int
     return [m for m in range(1, per_rank + 1) if per_rank % m == 0]
 
 
-def plan_batches(global_batch_size: int, micro_batch_size: int, world_size: int) -> BatchPlan:
+def batch_sizes(global_batch_size: int, micro_batch_size: int, world_size: int) -> BatchSizes:
     """grad_accum = global / (micro x world); a UserError with valid choices when it does not divide."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -53,7 +53,7 @@ def plan_batches(global_batch_size: int, micro_batch_size: int, world_size: int)
             f"{_processes(world_size)} takes per step (train.global_batch_size={global_batch_size})",
             micro_batch_hint(global_batch_size, world_size) + ".",
         )
-    return BatchPlan(global_batch_size, micro_batch_size, world_size, per_rank // micro_batch_size)
+    return BatchSizes(global_batch_size, micro_batch_size, world_size, per_rank // micro_batch_size)
 
 
 def micro_batch_hint(global_batch_size: int, world_size: int = 1) -> str:

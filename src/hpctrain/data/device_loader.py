@@ -56,7 +56,7 @@ class DeviceLoader:
         return torch.rand((self.sampler.num_samples, self.draws), generator=g, device=self.device)
 
     def __iter__(self) -> Iterator[Any]:
-        s, plan = self.sampler, self.sampler.plan
+        s, plan = self.sampler, self.sampler.batches
         order = s.order(s.seed, s.epoch, s.shuffle).to(self.device)
         uniforms = self.epoch_uniforms(s.epoch) if self.transform is not None else None
         m = plan.micro_batch_size

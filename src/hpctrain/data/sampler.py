@@ -23,7 +23,7 @@ from typing import Callable, Iterator, NamedTuple
 import torch
 from torch.utils.data import Sampler
 
-from hpctrain.config.batch import BatchPlan, steps_per_epoch
+from hpctrain.config.batch import BatchSizes, steps_per_epoch
 from hpctrain.data.seeding import SALT_ORDER, generator
 
 
@@ -47,12 +47,12 @@ OrderFn = Callable[[int, int, bool], torch.Tensor]
 
 class StepBatchSampler(Sampler[list[SampleKey]]):
     def __init__(
-        self, num_samples: int, plan: BatchPlan, rank: int, seed: int, shuffle: bool = True, order: OrderFn | None = None
+        self, num_samples: int, plan: BatchSizes, rank: int, seed: int, shuffle: bool = True, order: OrderFn | None = None
     ) -> None:
         if not 0 <= rank < plan.world_size:
             raise ValueError(f"rank {rank} outside world of {plan.world_size}")
         self.num_samples = num_samples
-        self.plan = plan
+        self.batches = plan
         self.rank = rank
         self.seed = seed
         self.shuffle = shuffle
@@ -69,7 +69,7 @@ class StepBatchSampler(Sampler[list[SampleKey]]):
 
     def step_indices(self, order: torch.Tensor, step: int) -> list[int]:
         """This rank's samples of optimizer step ``step`` (within the epoch)."""
-        p = self.plan
+        p = self.batches
         begin = step * p.global_batch_size + self.rank * p.per_rank
         return order[begin : begin + p.per_rank].tolist()
 
@@ -77,14 +77,14 @@ class StepBatchSampler(Sampler[list[SampleKey]]):
         order = self.order(self.seed, self.epoch, self.shuffle)
         if len(order) != self.num_samples:
             raise ValueError(f"the epoch order has {len(order)} samples, the data set {self.num_samples}")
-        m = self.plan.micro_batch_size
+        m = self.batches.micro_batch_size
         for step in range(self.start_step, self.steps_per_epoch):
             mine = self.step_indices(order, step)
             for i in range(0, len(mine), m):
                 yield [SampleKey(self.epoch, j) for j in mine[i : i + m]]
 
     def __len__(self) -> int:
-        return (self.steps_per_epoch - self.start_step) * self.plan.grad_accum
+        return (self.steps_per_epoch - self.start_step) * self.batches.grad_accum
 
 
 class EvalBatchSampler(Sampler[list[int]]):

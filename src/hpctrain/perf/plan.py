@@ -37,7 +37,7 @@ class StepProfile:
 
 
 @dataclass(frozen=True)
-class Layout:
+class ClusterShape:
     nodes: int
     gpus_per_node: int
     """Ranks per node."""
@@ -55,7 +55,7 @@ class Layout:
 
 @dataclass(frozen=True)
 class Estimate:
-    layout: Layout
+    layout: ClusterShape
     compute_s: float
     """Forward + backward of every micro-batch, and the optimizer step."""
     comm_s: float
@@ -92,7 +92,7 @@ def exposed_communication(backward_s: float, sizes: list[int], seconds_per_byte:
     return max(done - backward_s, 0.0)
 
 
-def estimate(profile: StepProfile, layout: Layout, busbw_gbps: float) -> Estimate:
+def estimate(profile: StepProfile, layout: ClusterShape, busbw_gbps: float) -> Estimate:
     n = layout.world_size
     compute = layout.grad_accum * (profile.forward_s + profile.backward_s) + profile.optimizer_s
     wire = 0.5 if layout.compression in ("bf16", "fp16") else 1.0
@@ -114,7 +114,7 @@ class Advice:
     lines: list[str]
 
 
-def advise(profile: StepProfile, layout: Layout, busbw_gbps: float, target: float = 0.9) -> Advice:
+def advise(profile: StepProfile, layout: ClusterShape, busbw_gbps: float, target: float = 0.9) -> Advice:
     base = estimate(profile, layout, busbw_gbps)
     if layout.world_size == 1 or base.efficiency >= target:
         return Advice(False, [], [])

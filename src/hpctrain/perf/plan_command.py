@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from hpctrain.config import plan_batches
+from hpctrain.config import batch_sizes
 from hpctrain.config.schema import RunConfig
 from hpctrain.dist.runtime import single_process_runtime
 from hpctrain.errors import UserError
-from hpctrain.perf.plan import Layout, StepProfile, advise, estimate, nearest_row
+from hpctrain.perf.plan import ClusterShape, StepProfile, advise, estimate, nearest_row
 from hpctrain.perf.plan import __doc__ as MODEL_DOC
 
 
@@ -47,12 +47,12 @@ def plan_command(req: PlanRequest) -> int:
         raise UserError(f"--nodes and --gpus-per-node must be at least 1, got {req.nodes} and {req.gpus_per_node}")
     cls, cfg = resolve(req.experiment, req.config_file, req.overrides)
     n = req.nodes * req.gpus_per_node
-    batches = plan_batches(cfg.train.global_batch_size, cfg.train.micro_batch_size, n)  # bad arithmetic: told now
+    batches = batch_sizes(cfg.train.global_batch_size, cfg.train.micro_batch_size, n)  # bad arithmetic: told now
     busbw, source = bandwidth(req, cfg.dist.bucket_cap_mb * 2**20)
     profile, device = measure_step(cls, cfg, max(req.steps, 1))
-    layout = Layout(req.nodes, req.gpus_per_node, batches.grad_accum, cfg.dist.bucket_cap_mb * 2**20,
+    layout = ClusterShape(req.nodes, req.gpus_per_node, batches.grad_accum, cfg.dist.bucket_cap_mb * 2**20,
                     cfg.dist.grad_compression)
-    single = estimate(profile, Layout(1, 1, batches.grad_accum, layout.bucket_bytes), busbw)
+    single = estimate(profile, ClusterShape(1, 1, batches.grad_accum, layout.bucket_bytes), busbw)
     planned = estimate(profile, layout, busbw)
     advice = advise(profile, layout, busbw)
     if req.as_json:
@@ -87,11 +87,11 @@ def bandwidth(req: PlanRequest, bucket_bytes: int) -> tuple[float, str]:
 
 def measure_step(experiment_cls, cfg: RunConfig, steps: int) -> tuple[StepProfile, torch.device]:
     """Median forward, backward and optimizer times of this config's micro-batch on one device (an eager step)."""
-    from hpctrain.train.layout import resolve_layout
+    from hpctrain.train.memory_format import resolve_memory_format
     from hpctrain.train.run import build_context
 
     runtime = single_process_runtime()
-    cfg, _ = resolve_layout(cfg, runtime, experiment_cls(cfg), "eager")
+    cfg, _ = resolve_memory_format(cfg, runtime, experiment_cls(cfg), "eager")
     ctx = build_context(cfg, runtime, experiment_cls(cfg), config_text="", write_run_dir=False, pretrained=False)
     batches = _endless(ctx)
     # two warm-up steps: allocator, autotuning, lazy optimizer state
@@ -120,7 +120,7 @@ def _timed_step(ctx, host_batch) -> tuple[float, float, float]:
     t0 = time.perf_counter()
     with ctx.precision.autocast():
         # One process measuring one micro-batch: the first position of the step's global batch.
-        info = BatchInfo("train", ctx.state.step, 0, ctx.plan.global_batch_size, ctx.cfg.run.seed)
+        info = BatchInfo("train", ctx.state.step, 0, ctx.batches.global_batch_size, ctx.cfg.run.seed)
         loss = call_train_loss(ctx.experiment, ctx.model, batch, info)
     sync()
     t1 = time.perf_counter()
@@ -157,7 +157,7 @@ def render_plan(cfg: RunConfig, p: StepProfile, device: str, busbw: float, sourc
     return "\n".join(out)
 
 
-def _describe(alt: Layout, base: Layout) -> str:
+def _describe(alt: ClusterShape, base: ClusterShape) -> str:
     if alt.compression != base.compression:
         return f"with {alt.compression} gradient compression"
     return f"{alt.grad_accum} micro-batches per step"

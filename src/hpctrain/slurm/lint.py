@@ -12,7 +12,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Literal
 
-from hpctrain.config.batch import plan_batches
+from hpctrain.config.batch import batch_sizes
 from hpctrain.config.schema import RunConfig, SlurmSection
 from hpctrain.errors import UserError
 from hpctrain.filesystems import NETWORK_FS, NODE_LOCAL_FS
@@ -50,7 +50,7 @@ def lint(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
 def _batch(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
     world = cfg.slurm.nodes * cfg.slurm.gpus_per_node
     try:
-        plan_batches(cfg.train.global_batch_size, cfg.train.micro_batch_size, world)
+        batch_sizes(cfg.train.global_batch_size, cfg.train.micro_batch_size, world)
     except UserError as err:
         return [Finding("error", "train.global_batch_size",
                         f"{str(err).splitlines()[0]} ({cfg.slurm.nodes} nodes x {cfg.slurm.gpus_per_node})", err.hint)]

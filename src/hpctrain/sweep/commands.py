@@ -16,7 +16,7 @@ from pathlib import Path
 from hpctrain.atomic import atomic_write_text
 from hpctrain.errors import UserError
 from hpctrain.slurm import facts, job, lint, render
-from hpctrain.sweep.plan import SWEEP_FILE, SweepPlan, build_plan, check_same_sweep, write_plan
+from hpctrain.sweep.spec import SWEEP_FILE, SweepSpec, build_sweep, check_same_sweep, write_sweep
 from hpctrain.sweep.status import STATUS_DIR, collect_status, is_error
 
 
@@ -39,7 +39,7 @@ def submit_command(req: SubmitRequest) -> int:
     if req.max_parallel < 0:
         raise UserError(f"--max-parallel {req.max_parallel} is negative", "give how many points may run at once, "
                         "or 0 for no limit.")
-    plan, configs = build_plan(req.experiment, req.config_file, req.overrides, list(req.grid), req.sweep_dir,
+    plan, configs = build_sweep(req.experiment, req.config_file, req.overrides, list(req.grid), req.sweep_dir,
                                req.allow_large)
     print(point_table(plan), file=sys.stderr)
     going_on = (plan.sweep_dir / SWEEP_FILE).exists()
@@ -50,7 +50,7 @@ def submit_command(req: SubmitRequest) -> int:
             return 0
         if going_on:
             _refuse_live_array(plan, req.force)
-        write_plan(plan, configs)
+        write_sweep(plan, configs)
         return run_locally(plan, req.nproc_per_node)
     todo = _unfinished(plan) if going_on else ()
     if todo == ("none",):
@@ -68,7 +68,7 @@ def submit_command(req: SubmitRequest) -> int:
     if errors and not req.force:
         raise UserError(f"not submitted: {len(errors)} error(s) in the job (listed above)",
                         "fix them, or submit anyway with --force if you know better than the check.")
-    write_plan(plan, configs)
+    write_sweep(plan, configs)
     job_id = job.submit(render.render_script(spec), plan.sweep_dir)
     print(job_id)
     print(f"hpctrain: submitted job array {job_id} ({len(plan.points)} points"
@@ -78,7 +78,7 @@ def submit_command(req: SubmitRequest) -> int:
     return 0
 
 
-def _unfinished(plan: SweepPlan) -> tuple[str, ...]:
+def _unfinished(plan: SweepSpec) -> tuple[str, ...]:
     """Going on with a sweep submitted before: refused while its array is still queued or running (two trainings
     would write one run dir); else the indices of the points not done (("none",) when all are)."""
     _refuse_live_array(plan)
@@ -87,7 +87,7 @@ def _unfinished(plan: SweepPlan) -> tuple[str, ...]:
     return todo or ("none",)
 
 
-def _refuse_live_array(plan: SweepPlan, force: bool = False) -> None:
+def _refuse_live_array(plan: SweepSpec, force: bool = False) -> None:
     """Refused while the sweep's last array job is queued or running: its tasks and this submit (an array, or
     --local) would train the same run dirs at once. Without squeue here (--local on another machine) the array
     cannot be checked: refused unless force."""
@@ -111,7 +111,7 @@ def _refuse_live_array(plan: SweepPlan, force: bool = False) -> None:
                         "points.")
 
 
-def point_table(plan: SweepPlan) -> str:
+def point_table(plan: SweepSpec) -> str:
     keys = [a.key for a in plan.axes]
     lines = [f"sweep {plan.sweep_dir}: {plan.experiment}, {len(plan.points)} point(s)",
              "| point | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
@@ -119,7 +119,7 @@ def point_table(plan: SweepPlan) -> str:
     return "\n".join(lines)
 
 
-def array_spec(plan: SweepPlan, configs: dict, max_parallel: int, indices: tuple[int, ...] = ()) -> render.JobSpec:
+def array_spec(plan: SweepSpec, configs: dict, max_parallel: int, indices: tuple[int, ...] = ()) -> render.JobSpec:
     """The single-run spec of the first point, made an array over all of them (they share the [slurm] section:
     a sweep cannot vary slurm.* keys), its logs and records in the sweep dir."""
     first = configs[plan.points[0].name]
@@ -130,7 +130,7 @@ def array_spec(plan: SweepPlan, configs: dict, max_parallel: int, indices: tuple
     return dataclasses.replace(spec, job_name=name, run_dir=str(plan.sweep_dir), config_toml="", array=array)
 
 
-def _lint_points(plan: SweepPlan, configs: dict, spec: render.JobSpec) -> list[lint.Finding]:
+def _lint_points(plan: SweepSpec, configs: dict, spec: render.JobSpec) -> list[lint.Finding]:
     """Every point's config linted against the cluster (the facts gathered once); a finding printed once, with the
     points it applies to when not all."""
     found = facts.gather_facts(configs[plan.points[0].name], spec)
@@ -147,7 +147,7 @@ def _lint_points(plan: SweepPlan, configs: dict, spec: render.JobSpec) -> list[l
 
 # ---- local -----------------------------------------------------------------------------------------------------
 
-def run_locally(plan: SweepPlan, nproc_per_node: int) -> int:
+def run_locally(plan: SweepSpec, nproc_per_node: int) -> int:
     """Each point in turn with `hpctrain train` (a point already finished resumes, finds nothing to do, and is
     quick); a failed point is recorded and the next one runs. Ctrl-C stops the sweep after the running point has
     saved its checkpoint: the same command goes on from there."""
@@ -171,7 +171,7 @@ def run_locally(plan: SweepPlan, nproc_per_node: int) -> int:
     return 1 if failed else 0
 
 
-def _record(plan: SweepPlan, name: str, state: str, code: int | None, error: str) -> None:
+def _record(plan: SweepSpec, name: str, state: str, code: int | None, error: str) -> None:
     (plan.sweep_dir / STATUS_DIR).mkdir(exist_ok=True)
     record = {"state": state, "exit_code": code, "error": error, "time": time.time()}
     atomic_write_text(plan.sweep_dir / STATUS_DIR / f"{name}.json", json.dumps(record) + "\n")

@@ -13,7 +13,7 @@ from pathlib import Path
 from hpctrain.metrics.records import metric_values, read_metrics
 from hpctrain.monitor.report import summary_html
 from hpctrain.sweep.status import PointStatus, collect_status, point_error
-from hpctrain.sweep.plan import SweepPlan, read_plan
+from hpctrain.sweep.spec import SweepSpec, read_plan
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class PointResult:
     """(step, main metric) of every validation."""
 
 
-def point_results(plan: SweepPlan, main: str, higher: bool, statuses: list[PointStatus]) -> list[PointResult]:
+def point_results(plan: SweepSpec, main: str, higher: bool, statuses: list[PointStatus]) -> list[PointResult]:
     out = []
     for point, status in zip(plan.points, statuses, strict=True):
         path = plan.run_dir(point) / "metrics.jsonl"
@@ -58,7 +58,7 @@ def ranked(results: list[PointResult], higher: bool) -> list[PointResult]:
     return done + partial + [r for r in results if not scored(r)]
 
 
-def sweep_table(plan: SweepPlan, results: list[PointResult], main: str, higher: bool) -> str:
+def sweep_table(plan: SweepSpec, results: list[PointResult], main: str, higher: bool) -> str:
     """The comparison as Markdown (a pure function of its inputs: golden-tested)."""
     keys = [a.key for a in plan.axes]
     goal = "higher is better" if higher else "lower is better"
@@ -82,7 +82,7 @@ def sweep_table(plan: SweepPlan, results: list[PointResult], main: str, higher: 
     return "\n".join(lines) + "\n"
 
 
-def plot_curves(plan: SweepPlan, results: list[PointResult], main: str, out: Path, by_first: bool = False) -> Path:
+def plot_curves(plan: SweepSpec, results: list[PointResult], main: str, out: Path, by_first: bool = False) -> Path:
     """The points' validation curves overlaid in one panel; by_first: one panel per value of the first axis (the
     other axes in each), which reads better when the points are many."""
     import matplotlib

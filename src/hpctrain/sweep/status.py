@@ -15,7 +15,7 @@ from hpctrain.errors import UserError
 from hpctrain.metrics.records import metric_values, read_metrics
 from hpctrain.slurm import job
 from hpctrain.slurm.commands import latest_step
-from hpctrain.sweep.plan import SweepPlan, read_plan
+from hpctrain.sweep.spec import SweepSpec, read_plan
 
 STATUS_DIR = "status"
 """SWEEP_DIR/status/NAME.json: how a local run of a point ended (state, exit code, its error line)."""
@@ -39,7 +39,7 @@ def status_command(sweep_dir: str) -> int:
     return 0
 
 
-def collect_status(plan: SweepPlan) -> list[PointStatus]:
+def collect_status(plan: SweepSpec) -> list[PointStatus]:
     from hpctrain.experiments import resolve_experiment
 
     main = resolve_experiment(plan.experiment).main_metric
@@ -54,7 +54,7 @@ def collect_status(plan: SweepPlan) -> list[PointStatus]:
     return out
 
 
-def status_text(plan: SweepPlan, points: list[PointStatus]) -> str:
+def status_text(plan: SweepSpec, points: list[PointStatus]) -> str:
     lines = [f"sweep {plan.sweep_dir}: {plan.experiment}, {len(points)} point(s)",
              "| point | state | step | latest validation | |", "|---|---|---:|---|---|"]
     for s in points:
@@ -66,7 +66,7 @@ def status_text(plan: SweepPlan, points: list[PointStatus]) -> str:
     return "\n".join(lines + [", ".join(f"{n} {k}" for k, n in counts.items())])
 
 
-def point_error(plan: SweepPlan, name: str) -> str:
+def point_error(plan: SweepSpec, name: str) -> str:
     """The error line of a failed point (Slurm: the task log of the array that last ran it; local: its status
     file)."""
     index = next(p.index for p in plan.points if p.name == name)
@@ -82,7 +82,7 @@ def _records(run_dir: Path) -> list[dict]:
     return read_metrics(path) if path.exists() else []
 
 
-def _local_state(plan: SweepPlan, name: str) -> tuple[str, str]:
+def _local_state(plan: SweepSpec, name: str) -> tuple[str, str]:
     path = plan.sweep_dir / STATUS_DIR / f"{name}.json"
     if path.exists():
         record = json.loads(path.read_text())
@@ -100,7 +100,7 @@ SLURM_STATES = {"PENDING": "pending", "CONFIGURING": "running", "RUNNING": "runn
 ARRAY_LINE = re.compile(r"^#SBATCH --array=(\S+)", re.MULTILINE)
 
 
-def array_owners(plan: SweepPlan) -> dict[int, str]:
+def array_owners(plan: SweepSpec) -> dict[int, str]:
     """Array index -> the last recorded array job that ran it. Each array's points are read from its recorded
     script's `#SBATCH --array=` line (a sweep submitted again runs only its unfinished points); a script that is
     gone counts as every point."""
@@ -113,7 +113,7 @@ def array_owners(plan: SweepPlan) -> dict[int, str]:
     return owners
 
 
-def _array_states(plan: SweepPlan) -> dict[int, tuple[str, str]]:
+def _array_states(plan: SweepSpec) -> dict[int, tuple[str, str]]:
     """Array index -> (state, detail) from the array that last ran each point; {} for a local sweep."""
     by_array: dict[str, list[int]] = {}
     for index, array_id in array_owners(plan).items():
@@ -125,7 +125,7 @@ def _array_states(plan: SweepPlan) -> dict[int, tuple[str, str]]:
     return states
 
 
-def _one_array(plan: SweepPlan, array_id: str, indices: list[int]) -> dict[int, tuple[str, str]]:
+def _one_array(plan: SweepSpec, array_id: str, indices: list[int]) -> dict[int, tuple[str, str]]:
     """One scontrol call for every task Slurm still knows (pending ranges, requeue counts, exit codes), one sacct
     call where it has forgotten some (where accounting is set up); {} where this machine has no Slurm commands (a
     copy of the sweep dir: the caller reads the task logs)."""
@@ -152,7 +152,7 @@ def _one_array(plan: SweepPlan, array_id: str, indices: list[int]) -> dict[int, 
     return states
 
 
-def _ran(plan: SweepPlan, array_id: str, index: int, run_time: str) -> bool:
+def _ran(plan: SweepSpec, array_id: str, index: int, run_time: str) -> bool:
     """Whether the task started: Slurm counted run time, or it wrote its log (a task cancelled while pending has
     neither)."""
     return bool(run_time.strip("0:-")) or bool(_task_logs(plan, array_id, index))
@@ -183,11 +183,11 @@ def _indices(tasks: str) -> list[int]:
     return out
 
 
-def _task_logs(plan: SweepPlan, array_id: str, index: int) -> list[Path]:
+def _task_logs(plan: SweepSpec, array_id: str, index: int) -> list[Path]:
     return sorted((plan.sweep_dir / "logs").glob(f"*_{array_id}_{index}.out"))
 
 
-def _state_from_log(plan: SweepPlan, array_id: str, index: int) -> tuple[str, str]:
+def _state_from_log(plan: SweepSpec, array_id: str, index: int) -> tuple[str, str]:
     logs = _task_logs(plan, array_id, index)
     if not logs:  # Slurm opens the log when the task starts
         return "not started", f"Slurm no longer knows task {array_id}_{index} and it wrote no log"

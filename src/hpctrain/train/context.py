@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from hpctrain.checkpoint.manager import Checkpointer
-from hpctrain.config.batch import BatchPlan
+from hpctrain.config.batch import BatchSizes
 from hpctrain.config.schema import RunConfig
 from hpctrain.data.loader import SkipCountingLoader
 from hpctrain.data.sampler import StepBatchSampler
@@ -41,7 +41,7 @@ class TrainContext:
     cfg: RunConfig
     runtime: Runtime
     experiment: Experiment
-    plan: BatchPlan
+    batches: BatchSizes
     model: nn.Module
     """What forward/backward run on: compiled and DDP-wrapped as configured."""
     raw_model: nn.Module

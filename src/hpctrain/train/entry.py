@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpctrain.checkpoint.policy import select_checkpoint
-from hpctrain.config import config_to_toml, load_config, plan_batches
+from hpctrain.config import config_to_toml, load_config, batch_sizes
 from hpctrain.config.schema import RunConfig
 from hpctrain.dist.env import LaunchInfo, detect_launch
 from hpctrain.dist.forked_workers import quiet_launcher
@@ -18,7 +18,7 @@ from hpctrain.experiments import Experiment, resolve_experiment
 from hpctrain.fault.alerts import resolve_webhook
 from hpctrain.fault.error_file import record_errors
 from hpctrain.logs import setup_logging
-from hpctrain.train.layout import Layout, resolve_layout
+from hpctrain.train.memory_format import MemoryFormat, resolve_memory_format
 from hpctrain.train.rundir import ensure_writable, removed_if_left_empty
 from hpctrain.train.resume_settings import refuse_fixed_changes
 from hpctrain.train.state import continue_with_batch, read_state
@@ -64,7 +64,7 @@ def preflight(cfg: RunConfig, world_size: int, command: str = "train") -> None:
     """What can be known wrong before any process starts: batch arithmetic, run dir, checkpoint."""
     run_dir = Path(cfg.run_dir)
     if command == "train":
-        plan_batches(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
+        batch_sizes(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
         ensure_writable(run_dir)
     resolve_webhook(cfg.alert)  # an unreadable alert.webhook_file is bad input, found before training
     check_resume(cfg, command)
@@ -166,7 +166,7 @@ def _train_here(cls: type[Experiment], cfg: RunConfig, launch: LaunchInfo, req: 
         return run_training(cfg, runtime, cls(cfg), text, layout.describe()).exit_code
 
 
-def launch_config(cls: type[Experiment], cfg: RunConfig, runtime, command: str) -> tuple[RunConfig, Layout]:
+def launch_config(cls: type[Experiment], cfg: RunConfig, runtime, command: str) -> tuple[RunConfig, MemoryFormat]:
     """The config with what depends on this launch's device resolved (train.channels_last, which follows the step
     mode: train/layout.py), and the layout chosen (training's start-up lines say it)."""
     from hpctrain.train.precision import resolve_precision
@@ -177,4 +177,4 @@ def launch_config(cls: type[Experiment], cfg: RunConfig, runtime, command: str) 
     if command == "train":
         precision = resolve_precision(cfg.train.precision, runtime.device)
         mode = choose_step_mode(cfg, runtime, precision, experiment.graphable).mode
-    return resolve_layout(cfg, runtime, experiment, mode)
+    return resolve_memory_format(cfg, runtime, experiment, mode)

@@ -68,7 +68,7 @@ def train(ctx: TrainContext) -> LoopResult:
         while ctx.state.step < ctx.end_step and ctx.state.epoch == epoch:
             window.lr = base_lr(ctx.optimizer)  # the rate this step uses; the scheduler moves it after
             loss, grad_norm = ctx.stepper(ctx, batches, window)  # eager, compiled or graphed: train/step.py
-            ctx.state.advance(ctx.plan.global_batch_size, ctx.sampler.steps_per_epoch)
+            ctx.state.advance(ctx.batches.global_batch_size, ctx.sampler.steps_per_epoch)
             window.add(loss, grad_norm)
             val, stop_signal = after_step(ctx, window, epoch_ended=ctx.state.epoch != epoch)
             if val:
@@ -287,7 +287,7 @@ def log_train(ctx: TrainContext, window: "_Window") -> None:
         "epoch": ctx.state.epoch,
         "loss": (sums["loss"] + sums["carried_loss"]) / (sums["n"] + sums["carried_n"]),
         "lr": window.lr,
-        "samples_per_s": steps * ctx.plan.global_batch_size / elapsed,
+        "samples_per_s": steps * ctx.batches.global_batch_size / elapsed,
         "eta_s": (ctx.total_steps - ctx.state.step) * elapsed / max(steps, 1),
         "data_wait_frac": wait_frac,
     }
@@ -331,8 +331,8 @@ def step_facts(ctx: TrainContext) -> StepFacts:
     replaying = getattr(stepper, "graph", None) is not None and not failed
     mode = "graphed" if replaying else "compiled" if cfg.train.compiled else "eager"
     refusal = failed or graph_refusal(cfg, ctx.runtime, ctx.precision, ctx.experiment.graphable) or ""
-    return StepFacts(mode, refusal, ctx.runtime.distributed, cfg.dist.strategy != "fsdp", ctx.plan.grad_accum,
-                     ctx.plan.micro_batch_size, cfg.data.on_device)
+    return StepFacts(mode, refusal, ctx.runtime.distributed, cfg.dist.strategy != "fsdp", ctx.batches.grad_accum,
+                     ctx.batches.micro_batch_size, cfg.data.on_device)
 
 
 def loader_workers(loader) -> int | None:

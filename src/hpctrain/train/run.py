@@ -16,7 +16,7 @@ import torch
 
 from hpctrain.checkpoint.manager import Checkpointer, Resumed
 from hpctrain.checkpoint.policy import select_checkpoint
-from hpctrain.config.batch import plan_batches
+from hpctrain.config.batch import batch_sizes
 from hpctrain.config.schema import RunConfig
 from hpctrain.data.device_loader import DeviceLoader, dataset_tensors
 from hpctrain.data.loader import build_loader
@@ -62,7 +62,7 @@ def build_context(
     """``pretrained``: load the experiment's initial weights (init_weights) on a fresh start; measurements of a
     step (plan, benchmarks) leave it off, they need no weight files."""
     run_dir = Path(cfg.run_dir)
-    plan = plan_batches(cfg.train.global_batch_size, cfg.train.micro_batch_size, runtime.world_size)
+    plan = batch_sizes(cfg.train.global_batch_size, cfg.train.micro_batch_size, runtime.world_size)
     # Same seed on every rank for the model's initial weights (DDP would broadcast rank 0's
     # anyway, but a one-process run must start from the same weights as an N-process one).
     seed_everything(cfg.run.seed)
@@ -107,7 +107,7 @@ def build_context(
         cfg=cfg,
         runtime=runtime,
         experiment=experiment,
-        plan=plan,
+        batches=plan,
         model=wrapped,
         raw_model=raw,
         optimizer=optimizer,
@@ -404,7 +404,7 @@ def _stopped(ctx: TrainContext, alerter: Alerter, result: loop.LoopResult) -> Ou
 def _announce(ctx: TrainContext, resumed, layout: str) -> None:
     if not ctx.runtime.is_main:
         return
-    p, rt = ctx.plan, ctx.runtime
+    p, rt = ctx.batches, ctx.runtime
     log.info(
         "%s: %d process(es) on %d node(s), %s/%s, global batch %d = micro %d x %d ranks x %d accumulation, "
         "%d steps (%d per epoch)",

@@ -160,7 +160,7 @@ class EagerStep:
 
     def __call__(self, ctx, batches: Iterator, window) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One optimizer step over grad_accum micro-batches; returns this rank's mean loss (on device, no sync)."""
-        accum, step = ctx.plan.grad_accum, ctx.state.step
+        accum, step = ctx.batches.grad_accum, ctx.state.step
         if self.recording is not None:
             self.recording[:] = [RecordingInfo(batch_info(ctx, step, micro)) for micro in range(accum)]
         if accum == 1:
@@ -197,14 +197,14 @@ def fetch(ctx, batches: Iterator, window) -> Any:
 def batch_info(ctx, step: int, micro: int) -> BatchInfo:
     """Where micro-batch ``micro`` of this rank sits in the global batch: per-sample draws then do not depend on the
     world size."""
-    plan = ctx.plan
+    plan = ctx.batches
     return BatchInfo("train", step, ctx.runtime.rank * plan.per_rank + micro * plan.micro_batch_size,
                      plan.global_batch_size, ctx.cfg.run.seed)
 
 
 def micro_step(ctx, batch: Any, step: int, micro: int, info: Any = None, cache: bool = True) -> torch.Tensor:
     """Forward and backward of micro-batch ``micro``; returns its loss, detached, in fp32."""
-    model, accum, hb = ctx.model, ctx.plan.grad_accum, ctx.fault.heartbeat
+    model, accum, hb = ctx.model, ctx.batches.grad_accum, ctx.fault.heartbeat
     with gradient_sync(model, micro == accum - 1):
         hb.mark("forward")
         with ctx.precision.autocast(cache=cache):
@@ -451,7 +451,7 @@ class GraphedStep:
                 with self.graph_class.side_stream(self):
                     return self.eager(ctx, batches, window)
         step = ctx.state.step
-        micro = [fetch(ctx, batches, window) for _ in range(ctx.plan.grad_accum)]
+        micro = [fetch(ctx, batches, window) for _ in range(ctx.batches.grad_accum)]
         if self.graph is None:
             self._capture_or_fall_back(ctx, micro)
             if self.failed:

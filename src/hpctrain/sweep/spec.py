@@ -12,7 +12,7 @@ from pathlib import Path
 import tomli_w
 
 from hpctrain.atomic import atomic_write_text
-from hpctrain.config.batch import plan_batches
+from hpctrain.config.batch import batch_sizes
 from hpctrain.config.load import config_to_toml
 from hpctrain.config.schema import RunConfig
 from hpctrain.errors import UserError
@@ -27,7 +27,7 @@ SWEEP_FILE = "sweep.toml"
 
 
 @dataclass(frozen=True)
-class SweepPlan:
+class SweepSpec:
     sweep_dir: Path
     """Absolute sweep directory."""
     experiment: str
@@ -45,32 +45,32 @@ class SweepPlan:
         return self.sweep_dir / "configs" / f"{point.name}.toml"
 
 
-def build_plan(experiment: str, config_file: str | None, overrides: tuple[str, ...], grid: list[str],
-               sweep_dir: str, allow_large: bool = False) -> tuple[SweepPlan, dict[str, RunConfig]]:
+def build_sweep(experiment: str, config_file: str | None, overrides: tuple[str, ...], grid: list[str],
+               sweep_dir: str, allow_large: bool = False) -> tuple[SweepSpec, dict[str, RunConfig]]:
     """The plan and every point's resolved config, each checked: a bad value names its point and key."""
     axes = tuple(parse_axis(g) for g in grid)
     points = tuple(grid_points(list(axes), allow_large))
     base = [o for o in overrides if not o.partition("=")[0].strip().startswith("run.dir")]
-    plan = SweepPlan(Path(sweep_dir).resolve(), experiment, str(Path(config_file).resolve()) if config_file else "",
+    plan = SweepSpec(Path(sweep_dir).resolve(), experiment, str(Path(config_file).resolve()) if config_file else "",
                      tuple(base), axes, points)
     return plan, {p.name: resolve_point(plan, p) for p in points}
 
 
-def resolve_point(plan: SweepPlan, point: Point) -> RunConfig:
+def resolve_point(plan: SweepSpec, point: Point) -> RunConfig:
     from hpctrain.train.entry import resolve
 
     own = (*plan.overrides, *point.overrides, f"run.dir={plan.run_dir(point)}")
     try:
         cfg = resolve(plan.experiment, plan.config_file or None, own)[1]
         s = cfg.slurm
-        plan_batches(cfg.train.global_batch_size, cfg.train.micro_batch_size, s.nodes * s.gpus_per_node)
+        batch_sizes(cfg.train.global_batch_size, cfg.train.micro_batch_size, s.nodes * s.gpus_per_node)
     except UserError as err:
         where = ", ".join(point.overrides)
         raise type(err)(f"sweep point {point.name} ({where}): {err.args[0] if err.args else err}", err.hint) from None
     return cfg
 
 
-def write_plan(plan: SweepPlan, configs: dict[str, RunConfig]) -> None:
+def write_sweep(plan: SweepSpec, configs: dict[str, RunConfig]) -> None:
     """sweep.toml and configs/; a sweep dir that holds another sweep is refused (nothing is overwritten)."""
     check_same_sweep(plan, configs)
     (plan.sweep_dir / "configs").mkdir(parents=True, exist_ok=True)
@@ -82,7 +82,7 @@ def write_plan(plan: SweepPlan, configs: dict[str, RunConfig]) -> None:
         atomic_write_text(path, tomli_w.dumps(_to_dict(plan)))
 
 
-def check_same_sweep(plan: SweepPlan, configs: dict[str, RunConfig]) -> None:
+def check_same_sweep(plan: SweepSpec, configs: dict[str, RunConfig]) -> None:
     """Going on with the sweep in plan.sweep_dir is only going on with the same grid and settings, finished or not
     (a finished dir given another grid would otherwise report its old points done and never run the new ones)."""
     path = plan.sweep_dir / SWEEP_FILE
@@ -102,13 +102,13 @@ def check_same_sweep(plan: SweepPlan, configs: dict[str, RunConfig]) -> None:
                         "changed settings as a new sweep with another --dir.")
 
 
-def what_differs(old: SweepPlan, new: SweepPlan) -> str:
+def what_differs(old: SweepSpec, new: SweepSpec) -> str:
     """What the sweep on disk (old) and the one asked for (new) disagree on, each as 'before, now ...'; '' when
     they are the same sweep."""
-    def axes(p: SweepPlan) -> str:
+    def axes(p: SweepSpec) -> str:
         return " ".join(f"--grid {a.key}={','.join(a.values)}" for a in p.axes)
 
-    def settings(p: SweepPlan) -> str:
+    def settings(p: SweepSpec) -> str:
         return " ".join(p.overrides) or "none"
 
     parts = [(name, get(old), get(new)) for name, get in (
@@ -119,7 +119,7 @@ def what_differs(old: SweepPlan, new: SweepPlan) -> str:
         "its points' names (written by another hpctrain version?)" if named else "")
 
 
-def _to_dict(plan: SweepPlan) -> dict:
+def _to_dict(plan: SweepSpec) -> dict:
     return {
         "experiment": plan.experiment, "config_file": plan.config_file, "overrides": list(plan.overrides),
         "axes": [{"key": a.key, "values": list(a.values)} for a in plan.axes],
@@ -128,7 +128,7 @@ def _to_dict(plan: SweepPlan) -> dict:
     }
 
 
-def read_plan(sweep_dir: Path) -> SweepPlan:
+def read_plan(sweep_dir: Path) -> SweepSpec:
     path = Path(sweep_dir) / SWEEP_FILE
     if not path.is_file():
         raise UserError(f"{sweep_dir} is not a sweep directory (no {SWEEP_FILE})",
@@ -137,7 +137,7 @@ def read_plan(sweep_dir: Path) -> SweepPlan:
         data = tomllib.loads(path.read_text())
         axes = tuple(Axis(a["key"], tuple(a["values"])) for a in data["axes"])
         points = tuple(Point(p["index"], p["name"], tuple((k, v) for k, v in p["settings"])) for p in data["points"])
-        return SweepPlan(Path(sweep_dir).resolve(), data["experiment"], data["config_file"],
+        return SweepSpec(Path(sweep_dir).resolve(), data["experiment"], data["config_file"],
                          tuple(data["overrides"]), axes, points)
     except (tomllib.TOMLDecodeError, KeyError, TypeError, ValueError) as err:
         raise UserError(f"{path} is damaged ({type(err).__name__}: {err})",

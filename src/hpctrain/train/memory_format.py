@@ -39,7 +39,7 @@ log = logging.getLogger("hpctrain")
 
 
 @dataclass(frozen=True)
-class Layout:
+class MemoryFormat:
     channels_last: bool
     """The run's memory format: channels_last (NHWC) or NCHW, for the model's 4-D weights and its 4-D batches."""
     reason: str
@@ -63,21 +63,21 @@ def model_traits(model: nn.Module) -> ModelTraits:
                        group_norm=any(isinstance(m, nn.GroupNorm) for m in modules))
 
 
-def choose_layout(setting: bool | str, device_type: str, step_mode: str, traits: ModelTraits | None) -> Layout:
+def choose_memory_format(setting: bool | str, device_type: str, step_mode: str, traits: ModelTraits | None) -> MemoryFormat:
     """train.channels_last resolved (pure: the module docstring says why each case). ``traits`` None: the model
     could not be inspected."""
     if setting is True or setting is False:
-        return Layout(setting, f"train.channels_last={'true' if setting else 'false'}")
+        return MemoryFormat(setting, f"train.channels_last={'true' if setting else 'false'}")
     if device_type != "cuda":
-        return Layout(False, f"train.channels_last=auto: on {device_type}, not CUDA")
+        return MemoryFormat(False, f"train.channels_last=auto: on {device_type}, not CUDA")
     if traits is None:
-        return Layout(False, "train.channels_last=auto: the model could not be inspected; set true or false")
+        return MemoryFormat(False, "train.channels_last=auto: the model could not be inspected; set true or false")
     if not traits.convolutions:
-        return Layout(False, "train.channels_last=auto: the model has no 2-D convolutions")
+        return MemoryFormat(False, "train.channels_last=auto: the model has no 2-D convolutions")
     if traits.group_norm and step_mode == "graphed":
-        return Layout(False, "train.channels_last=auto: GroupNorm, which has no channels_last kernel, in a graphed "
+        return MemoryFormat(False, "train.channels_last=auto: GroupNorm, which has no channels_last kernel, in a graphed "
                              "step")
-    return Layout(True, "train.channels_last=auto: convolutions on CUDA")
+    return MemoryFormat(True, "train.channels_last=auto: convolutions on CUDA")
 
 
 def inspect_model(experiment: Any) -> ModelTraits | None:
@@ -97,7 +97,7 @@ def inspect_model(experiment: Any) -> ModelTraits | None:
     return model_traits(model)
 
 
-def resolve_layout(cfg: RunConfig, runtime: Runtime, experiment: Any, step_mode: str) -> tuple[RunConfig, Layout]:
+def resolve_memory_format(cfg: RunConfig, runtime: Runtime, experiment: Any, step_mode: str) -> tuple[RunConfig, MemoryFormat]:
     """``cfg`` with train.channels_last as true or false for this launch, and why. ``experiment``: built from
     ``cfg`` (its build_model is what is inspected). ``step_mode``: what the step will run as (train/step.py
     choose_step_mode; eager for evaluation). Collective under auto: the main rank inspects the model and every rank
@@ -113,13 +113,13 @@ def resolve_layout(cfg: RunConfig, runtime: Runtime, experiment: Any, step_mode:
         if verdict[0] == "error":
             raise on_every_rank(UserError(verdict[1], verdict[2]))
         traits = verdict[1]
-    layout = choose_layout(setting, runtime.device.type, step_mode, traits)
+    layout = choose_memory_format(setting, runtime.device.type, step_mode, traits)
     return replace(cfg, train=replace(cfg.train, channels_last=layout.channels_last)), layout
 
 
 def _inspection(experiment: Any, device_type: str) -> tuple[str, Any, str]:
     """("ok", traits or None, "") or ("error", message, hint): what the main rank sends the others."""
-    if device_type != "cuda":  # choose_layout needs no traits there: no model built
+    if device_type != "cuda":  # choose_memory_format needs no traits there: no model built
         return "ok", None, ""
     try:
         return "ok", inspect_model(experiment), ""

@@ -15,7 +15,7 @@ from hpctrain.dist.runtime import single_process_runtime
 from hpctrain.config.validate import ConfigError
 from hpctrain.errors import UserError
 from hpctrain.train.entry import launch_config, resolve
-from hpctrain.train.layout import ModelTraits, choose_layout, inspect_model, model_traits, resolve_layout
+from hpctrain.train.memory_format import ModelTraits, choose_memory_format, inspect_model, model_traits, resolve_memory_format
 
 GN = ModelTraits(convolutions=True, group_norm=True)
 BN = ModelTraits(convolutions=True, group_norm=False)
@@ -41,7 +41,7 @@ def cuda_runtime(world_size: int = 1):
     ("auto", "cuda", "eager", None, False),  # not inspectable: torch's default
 ])
 def test_choose_layout(setting, device, mode, traits, want):
-    layout = choose_layout(setting, device, mode, traits)
+    layout = choose_memory_format(setting, device, mode, traits)
     assert layout.channels_last is want
     assert layout.describe().startswith("channels_last (" if want else "NCHW (")
 
@@ -70,7 +70,7 @@ class Unbuildable:
 def test_a_model_that_cannot_be_built_on_meta_falls_back_to_nchw_with_a_warning(caplog):
     _, cfg = resolve("ddpm_cifar10", None, ())
     with caplog.at_level(logging.WARNING, logger="hpctrain"):
-        resolved, layout = resolve_layout(cfg, cuda_runtime(), Unbuildable(cfg, OSError("weights.pt: no such file")),
+        resolved, layout = resolve_memory_format(cfg, cuda_runtime(), Unbuildable(cfg, OSError("weights.pt: no such file")),
                                           "eager")
     assert resolved.train.channels_last is False and "could not be inspected" in layout.reason
     assert "OSError: weights.pt: no such file" in caplog.text and "train.channels_last=true or false" in caplog.text
@@ -87,14 +87,14 @@ class MustNotBuild:
 def test_on_the_cpu_auto_builds_no_model():
     """The traits decide nothing off CUDA: no start-up spent building the model on meta."""
     _, cfg = resolve("ddpm_cifar10", None, ())
-    resolved, layout = resolve_layout(cfg, single_process_runtime(torch.device("cpu")), MustNotBuild(cfg), "eager")
+    resolved, layout = resolve_memory_format(cfg, single_process_runtime(torch.device("cpu")), MustNotBuild(cfg), "eager")
     assert resolved.train.channels_last is False and layout.reason == "train.channels_last=auto: on cpu, not CUDA"
 
 
 def test_the_main_ranks_verdict_is_every_ranks(monkeypatch):
     """Only rank 0 builds the model on meta; the others take its traits (DDP refuses weights of mixed formats),
     or its error: a UserError from building the model (a bad option) stops every rank with that message."""
-    import hpctrain.train.layout as layout_module
+    import hpctrain.train.memory_format as layout_module
 
     _, cfg = resolve("ddpm_cifar10", None, ())
     sent = []
@@ -104,18 +104,18 @@ def test_the_main_ranks_verdict_is_every_ranks(monkeypatch):
 
     rank1 = dataclasses.replace(cuda_runtime(2), rank=1)
     broadcast(("ok", GN, ""))
-    resolved, layout = resolve_layout(cfg, rank1, MustNotBuild(cfg), "graphed")
+    resolved, layout = resolve_memory_format(cfg, rank1, MustNotBuild(cfg), "graphed")
     assert sent == [None] and resolved.train.channels_last is False and "GroupNorm" in layout.reason
     broadcast(("error", "model.depth=0", "set it to 1 or more."))
     with pytest.raises(UserError, match="model.depth=0") as raised:
-        resolve_layout(cfg, rank1, MustNotBuild(cfg), "graphed")
+        resolve_memory_format(cfg, rank1, MustNotBuild(cfg), "graphed")
     assert raised.value.hint == "set it to 1 or more." and raised.value.on_every_rank
     # The main rank sends its own error, then raises it as every rank does.
     sent.clear()
     monkeypatch.setattr(layout_module, "broadcast_object", lambda obj, runtime: sent.append(obj) or obj)
     failing = Unbuildable(cfg, UserError("model.depth=0", "set it to 1 or more."))
     with pytest.raises(UserError, match="model.depth=0"):
-        resolve_layout(cfg, cuda_runtime(2), failing, "graphed")
+        resolve_memory_format(cfg, cuda_runtime(2), failing, "graphed")
     assert sent == [("error", "model.depth=0", "set it to 1 or more.")]
 
 
@@ -123,7 +123,7 @@ def test_launch_config_follows_the_step_mode(monkeypatch):
     """ddpm_cifar10 (auto): one process on CUDA graphs its step, so NCHW; over several GPUs it steps eagerly (capture
     under DDP is opt-in), so channels_last; on the CPU NCHW; eval and sample run no optimizer step."""
     monkeypatch.setattr("hpctrain.train.precision.auto_precision", lambda device: "bf16")  # an Ampere or later GPU
-    monkeypatch.setattr("hpctrain.train.layout.broadcast_object", lambda obj, runtime: obj)  # no process group here
+    monkeypatch.setattr("hpctrain.train.memory_format.broadcast_object", lambda obj, runtime: obj)  # no process group here
     cls, cfg = resolve("ddpm_cifar10", None, ())
     assert cfg.train.channels_last == "auto"
     assert launch_config(cls, cfg, cuda_runtime(1), "train")[0].train.channels_last is False
@@ -137,7 +137,7 @@ def test_launch_config_follows_the_step_mode(monkeypatch):
 
 
 def test_an_unresolved_auto_reads_as_nchw_not_as_a_true_string():
-    """An experiment built by hand from load_config never went through resolve_layout: torch's default layout, for
+    """An experiment built by hand from load_config never went through resolve_memory_format: torch's default layout, for
     the model and its batches alike."""
     from hpctrain.dist.wrap import place_model
     cls, cfg = resolve("ddpm_cifar10", None, ())
