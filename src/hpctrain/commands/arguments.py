@@ -1,0 +1,35 @@
+"""Arguments that several commands share: an experiment's config sources, and the local launch flags."""
+
+from __future__ import annotations
+
+import argparse
+
+from hpctrain.errors import UserError
+
+
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    """EXPERIMENT [key=value ...] [--config FILE] [--debug]: the sources of a config (resolution.resolve_config)."""
+    p.add_argument("experiment", help="built-in experiment name (see 'hpctrain experiments') or package.module:Class")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.max_steps=200")
+    p.add_argument("--config", dest="config_file", metavar="FILE", help="TOML config file (below key=value overrides)")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def add_launch_args(p: argparse.ArgumentParser) -> None:
+    """--nproc-per-node and --resume, for the commands that train or evaluate."""
+    p.add_argument(
+        "--nproc-per-node", type=int, default=0, metavar="N",
+        help="start N local processes through torchrun (ignored when already launched by torchrun or srun)",
+    )
+    p.add_argument(
+        "--resume", metavar="auto|never|PATH",
+        help="shortcut for ckpt.resume=...: continue from the run dir's latest checkpoint (auto, the default), "
+        "refuse a run dir with checkpoints (never), or start from a checkpoint directory",
+    )
+
+
+def check_nproc(nproc_per_node: int) -> int:
+    """--nproc-per-node as given (0: not given), or a UserError for a negative one."""
+    if nproc_per_node < 0:
+        raise UserError(f"--nproc-per-node must be positive, got {nproc_per_node}")
+    return nproc_per_node
