@@ -344,7 +344,7 @@ def _doctor(args: argparse.Namespace) -> int:
     if args.perf:
         from hpctrain.units import parse_size
         from hpctrain.logs import setup_logging
-        from hpctrain.perf.command import PerfRequest, perf_command
+        from hpctrain.commands.doctor import PerfRequest, perf_command
         from hpctrain.perf.preflight import Thresholds
 
         setup_logging(debug=args.debug)
@@ -353,7 +353,7 @@ def _doctor(args: argparse.Namespace) -> int:
         thresholds = Thresholds(args.min_busbw, args.min_tflops, args.max_straggler, args.min_read_mbps)
         return perf_command(PerfRequest(args.nproc_per_node, args.out, parse_size(args.max_size), thresholds,
                                         args.data, parse_size(args.data_size)))
-    from hpctrain.doctor import doctor_command
+    from hpctrain.commands.doctor import environment_checks as doctor_command
 
     return doctor_command(as_json=args.json)
 

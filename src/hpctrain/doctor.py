@@ -1,4 +1,4 @@
-"""`hpctrain doctor`: is this node's launch environment able to run a distributed job?
+"""The checks of `hpctrain doctor` (commands/doctor.py): can this node's launch environment run a distributed job?
 
 Run it inside an allocation on every node (``srun --ntasks-per-node=1 hpctrain doctor``).
 Each check is a pure function of the launch variables plus one probe of this machine
@@ -8,10 +8,8 @@ Bandwidth, GEMM and straggler tests belong to the performance pre-flight and are
 
 from __future__ import annotations
 
-import json
 import socket
-import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable, Literal, Mapping
 
 from hpctrain.dist.env import cpus_available, expand_nodelist, launch_variables, nccl_ifname_matches
@@ -122,16 +120,3 @@ def run_checks(env: Mapping[str, str] | None = None) -> list[Check]:
         check_cpus(env, cpus_available()),
     ]
 
-
-def doctor_command(as_json: bool = False) -> int:
-    host = socket.gethostname().split(".")[0]
-    checks = run_checks()
-    if as_json:
-        print(json.dumps({"host": host, "checks": [asdict(c) for c in checks]}))
-    else:
-        for c in checks:
-            print(c.format(host))
-    failed = [c for c in checks if c.status == "fail"]
-    if failed:
-        print(f"hpctrain doctor: {len(failed)} check(s) failed on {host}", file=sys.stderr)
-    return 1 if failed else 0
