@@ -258,7 +258,8 @@ def _add_shard_parser(sub) -> None:
 def _shard(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from hpctrain.data.shard_command import ShardRequest, index_only_command, shard_command
+    from hpctrain.commands.shard import index_only as index_only_command
+    from hpctrain.data.shard_writer import ShardRequest, write_shards as shard_command
     from hpctrain.units import parse_size
     from hpctrain.logs import setup_logging
 
@@ -463,7 +464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from hpctrain.dist.env import agent_pid, under_hpctrain_agent
 
     if agent_pid():
-        from hpctrain.dist.launcher import stop_with_launcher
+        from hpctrain.dist.parent_death import stop_with_launcher
 
         stop_with_launcher(agent_pid())
     try:

@@ -146,11 +146,11 @@ def test_the_stop_vote_on_nccl_reduces_through_pinned_buffers(tmp_path: Path):
 def test_faceseg_from_shards_with_nvjpeg_bf16_channels_last_and_compile(tmp_path: Path):
     """The face-parsing GPU path end to end: shards, JPEGs decoded and cropped on the GPU, bf16, NHWC, compile."""
     from hpctrain.datasets.faces import make_faces
-    from hpctrain.data.shard_command import ShardRequest, shard_command
+    from hpctrain.data.shard_writer import ShardRequest, write_shards
 
     faces = make_faces(tmp_path / "faces", 80, size=128, mask_size=64)
     shards = tmp_path / "shards"
-    assert shard_command(ShardRequest(source=faces, out=shards, format="celebamask", shard_size=1 << 20, resize=128)) == 0
+    assert write_shards(ShardRequest(source=faces, out=shards, format="celebamask", shard_size=1 << 20, resize=128)) == 0
     run_dir = tmp_path / "run"
     result = run_hpctrain(
         ["train", "faceseg", f"run.dir={run_dir}", "model.source=shards", f"model.data_root={shards}",

@@ -1,4 +1,5 @@
-"""`hpctrain shard SOURCE OUT --format cifar10|celebamask|imagefolder`: pack a data set into shards.
+"""Pack a data set into shards (`hpctrain shard SOURCE OUT --format cifar10|celebamask|imagefolder`, whose
+arguments are in commands/shard.py).
 
 OUT gets one directory per split (``train/``, ``val/`` or ``test/``) holding the tars,
 ``index.json`` and ``manifest.json``. Each split is written into a temporary directory
@@ -17,7 +18,7 @@ from typing import Any, Callable, Iterator
 
 from tqdm import tqdm
 
-from hpctrain.data.shards import MANIFEST, index_directory, write_split
+from hpctrain.data.shards import MANIFEST, write_split
 from hpctrain.errors import UserError
 
 log = logging.getLogger("hpctrain")
@@ -62,7 +63,7 @@ class Skips:
             return None
 
 
-def shard_command(req: ShardRequest) -> int:
+def write_shards(req: ShardRequest) -> int:
     if req.format not in FORMATS:
         raise UserError(f"unknown format '{req.format}'", f"choose one of {', '.join(FORMATS)}.")
     builders = {"cifar10": _cifar10, "celebamask": _celebamask, "imagefolder": _imagefolder}
@@ -73,14 +74,6 @@ def shard_command(req: ShardRequest) -> int:
     req.out.mkdir(parents=True, exist_ok=True)
     for split, samples, extra in builders[req.format](req):
         _write_one_split(req, split, samples, extra)
-    return 0
-
-
-def index_only_command(directory: Path) -> int:
-    """Index shards written by another tool (e.g. webdataset.ShardWriter) so hpctrain can read them."""
-    started = time.perf_counter()
-    n = index_directory(directory, {"dataset": "external", "indexed_by": "hpctrain shard --index-only"})
-    log.info("indexed %d samples in %s (%.1f s)", n, directory, time.perf_counter() - started)
     return 0
 
 
