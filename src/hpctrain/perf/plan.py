@@ -1,6 +1,6 @@
 """Scaling estimates: the step time of N x G data-parallel ranks from one device's measured step.
 
-Pure arithmetic; the measurement is in plan_command. The model (every assumption is printed with
+Pure arithmetic; the measurement is in step_profile. The model (every assumption is printed with
 the estimate):
 
 - weak scaling: each rank runs the same micro batch as the measured device, so compute per step
