@@ -252,7 +252,7 @@ class PlainGraphed(ReplayedPlain):
     AdamW, EMA."""
 
     def __init__(self, plain: PlainLoop) -> None:
-        from hpctrain.train.step import ema_update
+        from hpctrain.train.ema import ema_update
 
         super().__init__(plain)
         plain.autocast_cache = False

@@ -88,7 +88,7 @@ def context(mode: str, micro: int, smoke: bool, run_dir: str, extra: tuple[str, 
     from hpctrain.dist.runtime import single_process_runtime
     from hpctrain.train import run
     from hpctrain.train.entry import resolve
-    from hpctrain.train.step import GraphedStep
+    from hpctrain.train.graphed import GraphedStep
 
     channels_last = "false" if mode == "eager-nchw" else "true"
     overrides = ["model.source=fixture", "model.fixture_samples=64", "data.on_device=true", "data.num_workers=0",

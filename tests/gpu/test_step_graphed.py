@@ -26,11 +26,12 @@ def test_the_captured_step_trains_as_the_eager_one_on_the_gpu(tmp_path: Path, mo
     from tests.unit.test_step_modes import TINY, _train, _weights
     from hpctrain.dist.runtime import single_process_runtime
     from hpctrain.train import run
-    from hpctrain.train.entry import resolve
-    from hpctrain.train.step import EagerStep, GraphedStep
+    from hpctrain.resolution import resolve_config
+    from hpctrain.train.graphed import GraphedStep
+    from hpctrain.train.step import EagerStep
 
     def context(name: str):
-        cls, cfg = resolve("ddpm_cifar10", None, TINY + GPU + (f"run.dir={tmp_path / name}",))
+        cls, cfg = resolve_config("ddpm_cifar10", None, TINY + GPU + (f"run.dir={tmp_path / name}",))
         torch.manual_seed(0)
         return run.build_context(cfg, single_process_runtime(torch.device("cuda", 0)), cls(cfg), config_text="",
                                  write_run_dir=False, pretrained=False)

@@ -1,4 +1,5 @@
-"""train.channels_last: auto resolved per launch (train/layout.py), the config keeping the user's value."""
+"""train.channels_last: auto resolved per launch (train/memory_format.py, chosen with the step mode in
+train/choices.py), the config keeping the user's value."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from hpctrain.config.describe import describe_keys
 from hpctrain.dist.runtime import single_process_runtime
 from hpctrain.config.validate import ConfigError
 from hpctrain.errors import UserError
-from hpctrain.train.entry import launch_config, resolve
+from hpctrain.resolution import resolve_config as resolve
+from hpctrain.train.choices import ModelSource, choose_launch
 from hpctrain.train.memory_format import ModelTraits, choose_memory_format, inspect_model, model_traits, resolve_memory_format
 
 GN = ModelTraits(convolutions=True, group_norm=True)
@@ -119,21 +121,50 @@ def test_the_main_ranks_verdict_is_every_ranks(monkeypatch):
     assert sent == [("error", "model.depth=0", "set it to 1 or more.")]
 
 
-def test_launch_config_follows_the_step_mode(monkeypatch):
+def test_the_launch_choices_follow_the_step_mode(monkeypatch):
     """ddpm_cifar10 (auto): one process on CUDA graphs its step, so NCHW; over several GPUs it steps eagerly (capture
     under DDP is opt-in), so channels_last; on the CPU NCHW; eval and sample run no optimizer step."""
     monkeypatch.setattr("hpctrain.train.precision.auto_precision", lambda device: "bf16")  # an Ampere or later GPU
     monkeypatch.setattr("hpctrain.train.memory_format.broadcast_object", lambda obj, runtime: obj)  # no process group here
     cls, cfg = resolve("ddpm_cifar10", None, ())
     assert cfg.train.channels_last == "auto"
-    assert launch_config(cls, cfg, cuda_runtime(1), "train")[0].train.channels_last is False
-    assert launch_config(cls, cfg, cuda_runtime(2), "train")[0].train.channels_last is True
-    assert launch_config(cls, cfg, cuda_runtime(1), "eval")[0].train.channels_last is True
-    assert launch_config(cls, cfg, single_process_runtime(torch.device("cpu")), "train")[0].train.channels_last is False
+    one = choose_launch(cfg, cuda_runtime(1), cls)
+    assert one.cfg.train.channels_last is False and one.step.mode == "graphed" and one.precision.name == "bf16"
+    assert choose_launch(cfg, cuda_runtime(2), cls).cfg.train.channels_last is True
+    evaluation = choose_launch(cfg, cuda_runtime(1), cls, training=False)
+    assert evaluation.cfg.train.channels_last is True and evaluation.step.mode == "eager"
+    assert choose_launch(cfg, single_process_runtime(torch.device("cpu")), cls).cfg.train.channels_last is False
     _, explicit = resolve("ddpm_cifar10", None, ("train.channels_last=true",))
-    assert launch_config(cls, explicit, cuda_runtime(1), "train")[0].train.channels_last is True
+    assert choose_launch(explicit, cuda_runtime(1), cls).cfg.train.channels_last is True
     monkeypatch.setattr("hpctrain.train.precision.auto_precision", lambda device: "fp16")  # a V100: never graphed
-    assert launch_config(cls, cfg, cuda_runtime(1), "train")[0].train.channels_last is True
+    assert choose_launch(cfg, cuda_runtime(1), cls).cfg.train.channels_last is True
+
+
+def test_the_launch_choices_build_no_experiment(monkeypatch):
+    """The experiment is built once, by the run, from the resolved config: the choices inspect the class's model
+    without running its __init__; a build_model that needs its own __init__'s state gets a full instance."""
+    monkeypatch.setattr("hpctrain.train.precision.auto_precision", lambda device: "bf16")
+    monkeypatch.setattr("hpctrain.train.memory_format.broadcast_object", lambda obj, runtime: obj)
+    ddpm, cfg = resolve("ddpm_cifar10", None, ())
+    built = []
+
+    class Counted(ddpm):
+        def __init__(self, cfg) -> None:
+            built.append(cfg)
+            super().__init__(cfg)
+
+    assert choose_launch(cfg, cuda_runtime(2), Counted).memory_format.channels_last is True
+    assert built == []
+
+    class NeedsInit(Counted):
+        def __init__(self, cfg) -> None:
+            super().__init__(cfg)
+            self.width = 8
+
+        def build_model(self) -> nn.Module:
+            return nn.Sequential(nn.Linear(self.width, 8))
+
+    assert ModelSource(NeedsInit, cfg).build_model()[0].in_features == 8 and len(built) == 1
 
 
 def test_an_unresolved_auto_reads_as_nchw_not_as_a_true_string():

@@ -1,4 +1,4 @@
-"""train.step_mode (train/step.py): the choice, its refusals, and the graphed step's arithmetic checked on the CPU.
+"""train.step_mode (train/step_mode.py, step.py, graphed.py): the choice, its refusals, and the graphed step's arithmetic checked on the CPU.
 
 A real capture needs a GPU (tests/gpu/test_step_graphed.py). Here a stand-in graph runs the captured body in
 Python at every replay, with everything a real capture leaves untouched restored after its capture run: that checks
@@ -20,10 +20,12 @@ from hpctrain.config.schema import RunConfig
 from hpctrain.dist.runtime import single_process_runtime
 from hpctrain.errors import UserError
 from hpctrain.experiments.base import BatchInfo
+from hpctrain.resolution import resolve_config
 from hpctrain.train import loop
 from hpctrain.train.precision import Precision
-from hpctrain.train.step import (CaptureError, EagerStep, GraphedStep, RecordingInfo, StaticDraws, StepChoice,
-                                 choose_step_mode, graph_refusal)
+from hpctrain.train.graphed import CaptureError, GraphedStep, StaticDraws
+from hpctrain.train.step import EagerStep, RecordingInfo
+from hpctrain.train.step_mode import StepChoice, choose_step_mode, graph_refusal
 
 TINY = ("model.source=fixture", "model.fixture_samples=256", "model.image_size=16", "model.ch=16",
         "model.ch_mult=[1, 2]", "model.num_res_blocks=1", "model.attn_resolutions=[8]", "model.norm_groups=8",
@@ -35,9 +37,7 @@ TINY = ("model.source=fixture", "model.fixture_samples=256", "model.image_size=1
 # ---- the choice ----------------------------------------------------------------------------------------------
 
 def _cfg(*overrides: str) -> RunConfig:
-    from hpctrain.train.entry import resolve
-
-    return resolve("ddpm_cifar10", None, overrides)[1]
+    return resolve_config("ddpm_cifar10", None, overrides)[1]
 
 
 def _runtime(device: str, world: int = 1, backend: str = "nccl"):
@@ -164,16 +164,17 @@ def _state_tensors(ctx) -> list[torch.Tensor]:
 
 def _context(tmp_path, monkeypatch, *extra: str):
     from hpctrain.train import run
-    from hpctrain.train.entry import launch_config, resolve
+    from hpctrain.train.choices import choose_launch
 
     # The fused optimizer, as on a GPU (its tensor learning rate and non-finite skip are what graphed relies on).
     build = run.build_optimizer
     monkeypatch.setattr(run, "build_optimizer", lambda *a, **k: build(*a, **(k | {"fused": True})))
-    cls, cfg = resolve("ddpm_cifar10", None, TINY + (f"run.dir={tmp_path}",) + extra)
+    cls, cfg = resolve_config("ddpm_cifar10", None, TINY + (f"run.dir={tmp_path}",) + extra)
     runtime = single_process_runtime(torch.device("cpu"))
-    cfg, _ = launch_config(cls, cfg, runtime, "train")
+    choices = choose_launch(cfg, runtime, cls)
     torch.manual_seed(0)
-    return run.build_context(cfg, runtime, cls(cfg), config_text="", write_run_dir=False, pretrained=False)
+    return run.build_context(choices.cfg, runtime, cls(choices.cfg), config_text="", write_run_dir=False,
+                             pretrained=False, choices=choices)
 
 
 def _train(ctx, steps: int, poison: dict[int, str] | None = None,

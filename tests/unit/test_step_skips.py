@@ -15,7 +15,8 @@ from hpctrain.experiments.base import BatchInfo
 from hpctrain.train import loop, run
 from hpctrain.train.skips import SkipLedger, flag_reader
 from hpctrain.train.state import TrainState
-from hpctrain.train.step import EagerStep, GraphedStep
+from hpctrain.train.graphed import GraphedStep
+from hpctrain.train.step import EagerStep
 from tests.unit.test_step_modes import _context, _train, _weights, host_replay
 
 
@@ -218,8 +219,7 @@ def test_a_graph_is_captured_only_after_a_step_has_been_applied(tmp_path, monkey
 def test_a_skipped_step_keeps_the_emas_batch_norm_statistics_on_the_device_path_too(flag):
     """The skipped step's forward made the model's running statistics NaN; weighting them by 0 would still give NaN
     (0 x NaN), so the device flag selects the EMA's own values, as the host path does by not updating."""
-    from hpctrain.train.ema import EMA
-    from hpctrain.train.step import ema_step, ema_update
+    from hpctrain.train.ema import EMA, ema_step, ema_update
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
     ema = EMA(model, 0.9)
@@ -276,8 +276,7 @@ def _ema_update_tensor_by_tensor(ema, model, weight, skipped) -> None:
 
 @pytest.mark.parametrize("skipped", [None, 0.0, 1.0], ids=["no-flag", "applied", "skipped"])
 def test_the_batched_ema_update_of_the_buffers_equals_the_update_tensor_by_tensor_bit_for_bit(skipped):
-    from hpctrain.train.ema import EMA
-    from hpctrain.train.step import ema_update
+    from hpctrain.train.ema import EMA, ema_update
 
     torch.manual_seed(0)
     model = _bn_model(3)
@@ -308,8 +307,7 @@ def test_the_ema_update_of_a_batch_norm_model_costs_the_same_few_operations_howe
     tensors per dtype (cat/stack, the update, the select, one copy back through views), not five operations each."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from hpctrain.train.ema import EMA
-    from hpctrain.train.step import ema_update
+    from hpctrain.train.ema import EMA, ema_update
 
     class Count(TorchDispatchMode):
         def __init__(self) -> None:

@@ -22,6 +22,7 @@ from hpctrain.fault.vote import StepVote
 from hpctrain.metrics.sinks import MetricsLogger
 from hpctrain.train.precision import Precision
 from hpctrain.train.state import TrainState
+from hpctrain.train.step import EagerStep
 
 
 @dataclass
@@ -58,12 +59,13 @@ class TrainContext:
     total_steps: int
     checkpointer: Checkpointer
     fault: FaultState
-    stepper: Any = field(default_factory=lambda: _eager())
-    """The owner of the optimizer step (train/step.py): EagerStep or GraphedStep, per train.step_mode."""
+    stepper: Any = field(default_factory=EagerStep)
+    """The owner of the optimizer step: train/step.py's EagerStep or train/graphed.py's GraphedStep, per
+    train.step_mode."""
     compile_cache: Any = None
     """The run's torch.compile cache (train/compile_cache.py) when the model is compiled: saved after checkpoints."""
     step_choice: Any = None
-    """The resolved train.step_mode and why (train/step.py StepChoice), for the start-up line."""
+    """The resolved train.step_mode and why (train/step_mode.py StepChoice), for the start-up line."""
     busy_meter: Any = None
     """monitor/gpu_busy.py's BusyMeter for this rank's GPU, opened by the loop's first call (NVML's set-up can take
     a second on a node without persistence mode)."""
@@ -91,9 +93,3 @@ class TrainContext:
     def shipped_model(self) -> nn.Module:
         """The weights a run ships, validates and samples from: the EMA ones when optim.ema_decay > 0."""
         return self.ema.module if self.ema is not None else self.raw_model
-
-
-def _eager():
-    from hpctrain.train.step import EagerStep
-
-    return EagerStep()

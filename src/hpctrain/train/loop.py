@@ -24,6 +24,7 @@ from hpctrain.train.optim import base_lr
 from hpctrain.experiments.outputs import Outputs, run_outputs
 from hpctrain.train.rng import capture_rng
 from hpctrain.train.skips import settle_skips, skip_fields
+from hpctrain.train.step_mode import graph_refusal
 
 log = logging.getLogger("hpctrain")
 
@@ -324,8 +325,6 @@ def _warn_if_host_bound(ctx: TrainContext, window: "_Window", wait_frac: float, 
 
 def step_facts(ctx: TrainContext) -> StepFacts:
     """What the run's step is and could be, for the host-bound advice."""
-    from hpctrain.train.step import graph_refusal
-
     stepper, cfg = ctx.stepper, ctx.cfg
     failed = getattr(stepper, "failed", "")
     replaying = getattr(stepper, "graph", None) is not None and not failed

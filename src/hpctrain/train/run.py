@@ -45,7 +45,9 @@ from hpctrain.train.ema import build_ema
 from hpctrain.train.evaluate import evaluate
 from hpctrain.train.optim import build_optimizer, build_scheduler
 from hpctrain.train.compile_cache import CompileCache, node_copy_removed
-from hpctrain.train.step import build_step, choose_step_mode, release_step
+from hpctrain.train.choices import LaunchChoices, choose_launch
+from hpctrain.train.graphed import release_step
+from hpctrain.train.step_mode import build_step, choose_step_mode
 from hpctrain.train.precision import resolve_precision
 from hpctrain.train.rng import restore_rng, seed_everything, seed_rank_streams
 from hpctrain.train.resume_settings import apply_hyperparameters, changed_since, hyperparameters
@@ -57,10 +59,11 @@ log = logging.getLogger("hpctrain")
 
 def build_context(
     cfg: RunConfig, runtime: Runtime, experiment: Experiment, config_text: str, write_run_dir: bool = True,
-    pretrained: bool = True,
+    pretrained: bool = True, choices: LaunchChoices | None = None,
 ) -> TrainContext:
     """``pretrained``: load the experiment's initial weights (init_weights) on a fresh start; measurements of a
-    step (plan, benchmarks) leave it off, they need no weight files."""
+    step (plan, benchmarks) leave it off, they need no weight files. ``choices``: this launch's precision and step
+    mode, chosen once (run_training's); None chooses them here (measurements, tests)."""
     run_dir = Path(cfg.run_dir)
     plan = batch_sizes(cfg.train.global_batch_size, cfg.train.micro_batch_size, runtime.world_size)
     # Same seed on every rank for the model's initial weights (DDP would broadcast rank 0's
@@ -85,7 +88,7 @@ def build_context(
         val_sampler = EvalBatchSampler(len(data.val), eval_batch, runtime.rank, runtime.world_size,
                                        pad=cfg.dist.strategy == "fsdp" and runtime.distributed)
         val_loader = build_loader(data.val, val_sampler, cfg.data, runtime, collate_fn=data.collate_fn)
-    precision = resolve_precision(cfg.train.precision, runtime.device)
+    precision = choices.precision if choices else resolve_precision(cfg.train.precision, runtime.device)
     check_strategy(cfg, runtime, precision)
     model = place_model(model, cfg, runtime)
     # The EMA copy is made before wrapping: FSDP2 modules refuse deepcopy, and under fsdp the copy is sharded
@@ -97,7 +100,7 @@ def build_context(
     optimizer = build_optimizer(raw, cfg.optim, fused=runtime.device.type == "cuda", groups=experiment.param_groups(raw),
                                 zero=cfg.dist.strategy == "zero1" and runtime.distributed)
     total_steps = cfg.train.max_steps or cfg.train.epochs * sampler.steps_per_epoch
-    step_choice = choose_step_mode(cfg, runtime, precision, experiment.graphable)
+    step_choice = choices.step if choices else choose_step_mode(cfg, runtime, precision, experiment.graphable)
     if runtime.device.type == "cuda":  # process-wide; the convolutions' algorithms are chosen at their first call
         torch.backends.cudnn.benchmark = step_choice.cudnn_benchmark
     if runtime.is_main and write_run_dir:
@@ -221,20 +224,25 @@ class Outcome:
     """The last validation metrics."""
 
 
-def run_training(cfg: RunConfig, runtime: Runtime, experiment: Experiment, config_text: str,
-                 layout: str = "") -> Outcome:
-    """``layout``: the memory format chosen for this launch and why (train/layout.py), for the start-up lines.
-    The run dir is locked first (one writer at a time: fault/run_lock.py), and this node's copy of the compile
-    cache removed at the end (the run dir's packed one is what a later launch loads)."""
+def run_training(cfg: RunConfig, runtime: Runtime, experiment_cls: type[Experiment], config_text: str) -> Outcome:
+    """Train ``cfg`` (as the user wrote it: ``config_text`` is its TOML, saved as it is, so train.channels_last=auto
+    is resolved again on each launch). The precision, step mode and memory format are chosen once (train/choices.py)
+    and the experiment built once, from the resolved config. The run dir is locked first (one writer at a time:
+    fault/run_lock.py), and this node's copy of the compile cache removed at the end (the run dir's packed one is
+    what a later launch loads)."""
+    choices = choose_launch(cfg, runtime, experiment_cls)
+    cfg = choices.cfg
+    experiment = experiment_cls(cfg)
     with hold_run_dir(Path(cfg.run_dir), runtime) as lock, \
             node_copy_removed(Path(cfg.run_dir), runtime.device, runtime.local_rank, cfg.train.compiled):
-        return _train_holding_run_dir(cfg, runtime, experiment, config_text, layout, lock)
+        return _train_holding_run_dir(choices, runtime, experiment, config_text, lock)
 
 
-def _train_holding_run_dir(cfg: RunConfig, runtime: Runtime, experiment: Experiment, config_text: str,
-                           layout: str, lock=None) -> Outcome:
+def _train_holding_run_dir(choices: LaunchChoices, runtime: Runtime, experiment: Experiment, config_text: str,
+                           lock=None) -> Outcome:
     started = time.perf_counter()
-    ctx = build_context(cfg, runtime, experiment, config_text)
+    cfg = choices.cfg
+    ctx = build_context(cfg, runtime, experiment, config_text, choices=choices)
     ctx.fault.vote.run_lock = lock  # rank 0's: a lock lost while training stops every rank (loop.after_step)
     if lock is not None:  # and a checkpoint written meanwhile (in the background writer too) is not committed
         ctx.checkpointer.commit_allowed = lock.check
@@ -255,7 +263,7 @@ def _train_holding_run_dir(cfg: RunConfig, runtime: Runtime, experiment: Experim
                 for kept in set_aside_records(Path(cfg.run_dir)):
                     log.warning("fresh start: %s held an earlier attempt's records (no checkpoint to resume); "
                                 "kept as %s, this run's start anew", cfg.run_dir, kept.name)
-        _announce(ctx, resumed, layout)
+        _announce(ctx, resumed, choices.memory_format.describe())
         if cfg.train.compiled:  # before the first compiled step: a requeued job on another node does not compile again
             ctx.compile_cache = CompileCache(Path(cfg.run_dir), runtime.device, runtime.is_main, runtime.local_rank)
             ctx.compile_cache.load()
@@ -447,9 +455,14 @@ def done_val(final: dict[str, float], val_step: int, step: int) -> str:
     return f"; val {shown}" if val_step in (0, step) else f"; val at step {val_step}: {shown}"
 
 
-def run_evaluation(cfg: RunConfig, runtime: Runtime, experiment: Experiment, config_text: str) -> dict[str, float]:
+def run_evaluation(cfg: RunConfig, runtime: Runtime, experiment_cls: type[Experiment],
+                   config_text: str) -> dict[str, float]:
     """Validate a checkpoint's weights (the EMA ones when present) with any number of processes;
-    ckpt.resume: auto = the run dir's latest, or a path. Trains nothing, writes nothing."""
+    ckpt.resume: auto = the run dir's latest, or a path. Trains nothing, writes nothing. The experiment is built
+    once, from the config resolved for this launch (its memory format) and without data.stage_dir (unstaged)."""
+    choices = choose_launch(unstaged(cfg), runtime, experiment_cls, training=False)
+    cfg = choices.cfg
+    experiment = experiment_cls(cfg)
     data = experiment.build_datasets()
     if data.val is None:
         raise UserError(f"experiment '{cfg.experiment}' has no validation set", "nothing to evaluate.")
@@ -462,10 +475,18 @@ def run_evaluation(cfg: RunConfig, runtime: Runtime, experiment: Experiment, con
     eval_batch = cfg.eval.micro_batch_size or 2 * cfg.train.micro_batch_size
     sampler = EvalBatchSampler(len(data.val), eval_batch, runtime.rank, runtime.world_size)
     loader = build_loader(data.val, sampler, cfg.data, runtime, collate_fn=data.collate_fn)
-    precision = resolve_precision(cfg.train.precision, runtime.device)
-    metrics = evaluate(experiment, model, loader, runtime, precision, cfg.train.channels_last_on,
+    metrics = evaluate(experiment, model, loader, runtime, choices.precision, cfg.train.channels_last_on,
                        seed=cfg.run.seed, step=step)
     if runtime.is_main:
         record = {"step": step, "split": "val", "checkpoint": str(loaded.path), **metrics}
         print(json.dumps(record, sort_keys=True), flush=True)
     return metrics
+
+
+def unstaged(cfg: RunConfig) -> RunConfig:
+    """The config without data.stage_dir: evaluation reads the validation set once, which a copy to every node
+    (of the training split too: experiments build both) would only delay."""
+    if cfg.data.stage_dir:
+        log.info("hpctrain eval reads the shards where they are: data.stage_dir=%s is for training's epochs",
+                 cfg.data.stage_dir)
+    return replace(cfg, data=replace(cfg.data, stage_dir=""))
