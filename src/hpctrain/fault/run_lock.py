@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from hpctrain.dist.env import restart_count
 from hpctrain.errors import UserError, on_every_rank
+from hpctrain.slurm.job import job_liveness, run_slurm
 
 if TYPE_CHECKING:  # torch: not imported by `hpctrain slurm submit`, which asks holder() only
     from hpctrain.dist.runtime import Runtime
@@ -148,8 +149,6 @@ def _this_cluster() -> str:
     here = os.environ.get("SLURM_CLUSTER_NAME", "")
     if here or _cluster:
         return here or _cluster[0]
-    from hpctrain.slurm.job import run_slurm  # not at import: slurm/job.py imports this module
-
     try:
         proc = run_slurm(["scontrol", "show", "config"], timeout=30)
     except UserError:
@@ -168,8 +167,6 @@ def _holder_job(holder: Owner) -> str:
     a holder of a named cluster while this machine's cluster is unknown: its job id may be another cluster's)."""
     if not holder.job_id or (holder.cluster and holder.cluster != _this_cluster()):
         return ""
-    from hpctrain.slurm.job import job_liveness  # not at import: slurm/job.py imports this module
-
     try:
         return job_liveness(holder.job_id)
     except UserError:  # no Slurm commands on this machine, or no answer: the heartbeat decides
