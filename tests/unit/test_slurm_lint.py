@@ -16,7 +16,7 @@ from hpctrain.experiments import resolve_experiment
 from hpctrain.slurm import job
 from hpctrain.slurm.facts import Facts, NodeFacts, gres_gpus
 from hpctrain.slurm.lint import lint
-from hpctrain.slurm.timelimit import time_limit_seconds
+from hpctrain.units import time_limit_seconds
 
 
 def cfg(*overrides: str, run_dir: str = "/shared/runs/x"):

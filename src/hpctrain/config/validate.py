@@ -1,17 +1,18 @@
-"""Checks of a RunConfig that need no processes: each refusal names its key and what to do."""
+"""Checks of a RunConfig that need no processes: each refusal names its key and what to do.
+
+RunConfig.__post_init__ (schema.py) calls validate(), so this module imports nothing of schema.py, not even for
+types: the checks read the sections by attribute.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import TYPE_CHECKING
+from typing import Any
 
 from hpctrain.config.batch import micro_batch_hint
-from hpctrain.dist.env import ALERT_WEBHOOK
 from hpctrain.errors import UserError
-
-if TYPE_CHECKING:
-    from hpctrain.config.schema import RunConfig, SlurmSection
+from hpctrain.units import time_limit_seconds
 
 
 class ConfigError(UserError, ValueError):
@@ -24,11 +25,14 @@ def _require(ok: bool, key: str, message: str, hint: str = "") -> None:
         raise ConfigError(f"config key '{key}': {message}", hint)
 
 
+ALERT_WEBHOOK = "HPCTRAIN_ALERT_WEBHOOK"
+"""The environment variable that holds the alert webhook's URL (a credential: never in a config, see slurm.env)."""
+
 ALERT_EVENTS = frozenset({"failure", "requeue", "hang", "complete"})
 
 
-def validate(cfg: RunConfig) -> None:
-    """Checks of single values and of pairs within a section."""
+def validate(cfg: Any) -> None:
+    """Checks of single values and of pairs within a section, of ``cfg``: a RunConfig."""
     t, o = cfg.train, cfg.optim
     _require(t.global_batch_size > 0, "train.global_batch_size", f"must be positive, got {t.global_batch_size}")
     _require(t.micro_batch_size > 0, "train.micro_batch_size", f"must be positive, got {t.micro_batch_size}")
@@ -110,9 +114,8 @@ def validate(cfg: RunConfig) -> None:
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-def _validate_slurm(s: "SlurmSection") -> None:
-    from hpctrain.slurm.timelimit import time_limit_seconds
-
+def _validate_slurm(s: Any) -> None:
+    """The [slurm] section (a SlurmSection)."""
     _require(s.nodes > 0, "slurm.nodes", f"must be positive, got {s.nodes}")
     _require(s.gpus_per_node > 0, "slurm.gpus_per_node", f"must be positive (processes per node), got {s.gpus_per_node}")
     _require(s.cpus_per_task >= 0, "slurm.cpus_per_task", "must be >= 0 (0: 8 per process)")

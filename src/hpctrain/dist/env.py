@@ -25,6 +25,7 @@ import socket
 from dataclasses import dataclass
 from typing import Iterator, Literal, Mapping
 
+from hpctrain.config.validate import ALERT_WEBHOOK  # config (a layer below) checks slurm.env for it
 from hpctrain.errors import UserError
 
 TORCHRUN_VARS = {
@@ -228,7 +229,6 @@ def parse_tasks_per_node(text: str) -> list[int]:
     return counts
 
 
-ALERT_WEBHOOK = "HPCTRAIN_ALERT_WEBHOOK"
 FAULT_INJECTION = "HPCTRAIN_FAULT"
 UNDER_AGENT = "HPCTRAIN_AGENT"  # set by hpctrain's torchrun wrapper for its workers
 

@@ -18,7 +18,7 @@ from hpctrain.errors import UserError
 from hpctrain.filesystems import NETWORK_FS, NODE_LOCAL_FS
 from hpctrain.slurm.facts import PER_JOB_VARIABLE, Facts, NodeFacts
 from hpctrain.slurm.render import JobSpec, cpus_per_task
-from hpctrain.slurm.timelimit import format_duration, time_limit_seconds
+from hpctrain.units import format_duration, time_limit_seconds
 from hpctrain.units import format_size
 
 NODE_LOCAL_DIRS = ("/tmp", "/dev/shm", "/var/tmp", "/scratch/local", "/local")
