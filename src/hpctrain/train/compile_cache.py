@@ -1,18 +1,16 @@
 """torch.compile's caches carried across requeues, in the run directory.
 
-Inductor keeps what it compiled (FX graphs, AOTAutograd graphs, Triton kernels, the CPU's shared objects) in
-TORCHINDUCTOR_CACHE_DIR, by default a node-local temporary folder: a requeued job that lands on another node
-compiles again (80 s for the DDPM U-Net on an H100). hpctrain points that folder at a node-local one of its own per
-run, host and local rank, and rank 0 packs its node's folders (every local rank's: Inductor's entries are keyed by the
-device index) into one file beside the checkpoints after each checkpoint (only when they have grown); every rank
-unpacks its local rank's part before its first compiled step. One file, not thousands: what a shared file system
-wants.
+Inductor keeps what it compiled (FX and AOTAutograd graphs, Triton kernels, the CPU's shared objects) in
+TORCHINDUCTOR_CACHE_DIR, by default a node-local temporary folder: a requeued job on another node compiles again.
+hpctrain points it at a node-local folder of its own per run, host and local rank, and rank 0 packs its node's
+folders (every local rank's: Inductor keys its entries by the device index) into one file beside the checkpoints
+after each checkpoint (only when they have grown); every rank unpacks its local rank's part before its first
+compiled step. One file, not thousands: what a shared file system wants.
 
-Why not torch's mega-cache (torch.compiler.save_cache_artifacts): measured here (DDPM U-Net, CPU, torch 2.14), a
-process that loaded it still spent 52 s of a 92 s cold compile, rebuilding the shared objects it does not hold; with
-the cache folder itself, 3 s. The folder's entries are keyed by Inductor on torch, device and code, and the file's
-name carries torch, Triton and the device model: a file for another is left alone, with a message. Dynamo still
-traces again in a new process, and a graphed step is captured again (seconds).
+Not torch's mega-cache (torch.compiler.save_cache_artifacts): a process that loaded it still rebuilt the shared
+objects it does not hold (BENCHMARKS.md). The folder's entries are keyed by Inductor on torch, device and code, and
+the file's name carries torch, Triton and the device model: a file for another is left alone, with a message.
+Dynamo still traces again in a new process, and a graphed step is captured again (seconds).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The training loop. Read top to bottom: one optimizer step (its owner: train/step.py), then what happens after
-it."""
+"""The training loop. Read top to bottom: one optimizer step (its owner: train/step.py, or train/graphed.py), then
+what happens after it."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def train(ctx: TrainContext) -> LoopResult:
         epoch = ctx.state.epoch
         while ctx.state.step < ctx.end_step and ctx.state.epoch == epoch:
             window.lr = base_lr(ctx.optimizer)  # the rate this step uses; the scheduler moves it after
-            loss, grad_norm = ctx.stepper(ctx, batches, window)  # eager, compiled or graphed: train/step.py
+            loss, grad_norm = ctx.stepper(ctx, batches, window)  # eager, compiled or graphed: train/step_mode.py
             ctx.state.advance(ctx.batches.global_batch_size, ctx.sampler.steps_per_epoch)
             window.add(loss, grad_norm)
             val, stop_signal = after_step(ctx, window, epoch_ended=ctx.state.epoch != epoch)

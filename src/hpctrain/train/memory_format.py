@@ -1,24 +1,15 @@
-"""train.channels_last resolved: the memory format a run's convolutions work in, chosen once per launch before the
-experiment is built (its batches are converted to the same format).
+"""train.channels_last resolved: the memory format a run's convolutions work in, chosen once per launch (with the
+step mode: train/choices.py) before the experiment is built (its batches are converted to the same format).
 
-auto picks what was measured faster on one H100 (BENCHMARKS.md, 2026-11-27):
-- on CUDA, channels_last (NHWC) for a model with 2-D convolutions: tensor cores' convolution kernels work in it
-  natively. Eager DDPM U-Net at micro 64: 908 images/s against 781 in NCHW; DeepLabV3+ R101 graphed at batch 96:
-  1,113 against 753.
+auto picks what was measured faster on one H100 (BENCHMARKS.md: the DDPM and DeepLabV3+ channels_last rows):
+- on CUDA, channels_last (NHWC) for a model with 2-D convolutions: tensor cores' convolution kernels work in it;
 - except NCHW for a model with GroupNorm whose step is graphed: torch has no channels_last GroupNorm kernel, so each
-  one converts its input to NCHW and back. While the host bounds the step (eager) that is hidden; once a graph has
-  taken the host out of the step it is GPU time. DDPM U-Net at micro 64, graphed: 2,209 images/s in NCHW against
-  1,966; graphed and compiled: 3,644 against 3,456.
-- NCHW on the CPU (torch's default; the CPU's convolutions are not faster in channels_last here) and for a model
-  without convolutions (where converting 4-D inputs only risks a later .view()).
-- Not measured: a compiled step that is not graphed (train.compile with eager replays); auto treats it as eager
-  (channels_last), the host being what bounds it.
-
-auto is ddpm_cifar10's setting; the config's default stays false, so a user's model (which may .view() a
-convolution's output, which fails on a channels_last tensor) changes layout only when asked.
-
-A graphed step that falls back to eager at its capture (train.step_mode=auto) keeps the layout chosen for the graph:
-the model is already placed in it.
+  one converts its input to NCHW and back, which the host hides in an eager step and a graph does not;
+- NCHW on the CPU (not faster there) and for a model without convolutions (converting only risks a later .view()).
+A compiled step that is not graphed counts as eager (host-bound; not measured). auto is ddpm_cifar10's setting; the
+config's default stays false, so a user's model (which may .view() a convolution's output, which fails on a
+channels_last tensor) changes layout only when asked. A graphed step that falls back to eager at its capture
+(train.step_mode=auto) keeps the layout chosen for the graph: the model is already placed in it.
 """
 
 from __future__ import annotations
@@ -99,7 +90,7 @@ def inspect_model(experiment: Any) -> ModelTraits | None:
 
 def resolve_memory_format(cfg: RunConfig, runtime: Runtime, experiment: Any, step_mode: str) -> tuple[RunConfig, MemoryFormat]:
     """``cfg`` with train.channels_last as true or false for this launch, and why. ``experiment``: built from
-    ``cfg`` (its build_model is what is inspected). ``step_mode``: what the step will run as (train/step.py
+    ``cfg`` (its build_model is what is inspected). ``step_mode``: what the step will run as (train/step_mode.py
     choose_step_mode; eager for evaluation). Collective under auto: the main rank inspects the model and every rank
     takes its verdict, so all hold their weights in one format (DDP refuses a mix) and a UserError from building
     the model stops every rank with its message instead of leaving the others waiting. The collective runs on any

@@ -2,20 +2,16 @@
 
 The rule: **the config wins for hyper-parameters, the checkpoint keeps the state.** Every optimizer and schedule
 key (optim.lr, betas, weight_decay, momentum, warmup_steps, schedule, poly_power, min_lr_ratio, ema_decay) and the
-run's length (train.max_steps, train.epochs) apply from the resumed step, the schedule recomputed for the new
-length at that step; the optimizer's moments and step counts, the scheduler's step and the EMA weights are the
-checkpoint's. A checkpoint's optimizer state holds its param_groups (lr, betas, weight_decay, ...) too, and
-LambdaLR's state its base rates: loaded as they are, they overrode the config while config.toml said otherwise.
-
-An EMA turned on at a resume (optim.ema_decay from 0) starts from the restored weights; one turned off is not
-carried on (checkpoint/manager.py logs both).
-
-The optimizer itself (optim.name) cannot change: its state belongs to it (AdamW's moments are no SGD momentum).
-A change is refused before any process starts, naming the key, as a changed model or global batch is.
+run's length (train.max_steps, train.epochs) apply from the resumed step, the schedule recomputed for the new length
+at that step; the optimizer's moments and step counts, the scheduler's step and the EMA weights are the checkpoint's
+(its param_groups and LambdaLR's base rates, loaded as they are, overrode the config while config.toml said
+otherwise). An EMA turned on at a resume starts from the restored weights; one turned off is not carried on
+(checkpoint/manager.py logs both). The optimizer itself (optim.name) cannot change: its state belongs to it; a change
+is refused before any process starts, naming the key, as a changed model or global batch is.
 
 The resume's log names each setting that differs from the checkpoint's config.toml, except bookkeeping keys
-(config/changes.BOOKKEEPING). A config.toml that cannot be read (missing, not UTF-8, not TOML: a torn write) gives no lines and no check here:
-these compare settings, they are never a reason to stop a resume.
+(config/changes.BOOKKEEPING). A config.toml that cannot be read (missing, not UTF-8, not TOML: a torn write) gives no
+lines and no check: these compare settings, they are never a reason to stop a resume.
 """
 
 from __future__ import annotations

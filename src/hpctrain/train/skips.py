@@ -2,19 +2,16 @@
 ledger that logs them and stops a run that keeps skipping.
 
 The rule: a step whose global gradient norm is not finite (an inf or NaN in any gradient of any rank) changes
-nothing: not the weights, not the optimizer's state (moments, step count), not the EMA's weights. It is still a
-step: its batch is consumed, the learning-rate schedule and the EMA's update count move on. That is what
-GradScaler does with fp16, and what a captured graph must do (it cannot branch on the host); the eager warm-up steps
-of every graphed launch follow it too, so a resumed graphed run trains as an uninterrupted one.
+nothing: not the weights, the optimizer's state (moments, step count) or the EMA's weights. It is still a step: its
+batch is consumed, the schedule and the EMA's update count move on. That is what GradScaler does with fp16 and what
+a captured graph must do (it cannot branch on the host); every graphed launch's eager warm-up follows it too, so a
+resumed graphed run trains as an uninterrupted one.
 
-The decision is the same on every rank without a collective of its own: the norm is of the all-reduced gradients
-(DDP, ZeRO-1) or reduced over the shards (FSDP), as for clipping. Where the optimizer takes a device flag (torch's
-fused AdamW and SGD read ``found_inf``, as GradScaler uses them) the step is skipped on the device and the host reads
-the flag two steps late, when the GPU has finished that step anyway: no wait in the hot path; that starts after the
-first applied step of each launch, a resumed one too (flag_reader says why). Elsewhere (the CPU's foreach optimizers,
-an optimizer without fused kernels, and a fused one until then) the host reads the flag at once and does not call
-step().
-Which of the two is decided alike on every rank, so under zero1 either every rank calls step() or none does.
+Every rank decides alike without a collective of its own: the norm is of the all-reduced gradients (DDP, ZeRO-1) or
+reduced over the shards (FSDP), as for clipping. Where the optimizer reads a device flag (torch's fused AdamW and SGD:
+``found_inf``) the step is skipped on the device and the host reads the flag two steps late, from the first applied
+step of each launch on (flag_reader says why); elsewhere the host reads it at once and does not call step(). Which
+of the two is decided alike on every rank, so under zero1 either every rank calls step() or none does.
 """
 
 from __future__ import annotations
