@@ -67,9 +67,10 @@ class TrainSection:
     channels_last: Literal[True, False, "auto"] = False
     """The channels_last (NHWC) memory format for the model's 4-D weights and batches: true, false (NCHW), or auto:
     on GPUs channels_last for a model with 2-D convolutions (tensor cores' convolutions run in it), except NCHW
-    for a model with GroupNorm under a graphed step (no channels_last GroupNorm kernel: measured 12% faster in
-    NCHW); NCHW on CPUs, for a model without convolutions, and for one that cannot be built on the meta device
-    (with a warning). The start-up line says which and why (train/layout.py)."""
+    for a model with GroupNorm under a graphed step (no channels_last GroupNorm kernel: its conversions cost more
+    than channels_last saves; numbers in BENCHMARKS.md); NCHW on CPUs, for a model without convolutions, and for
+    one that cannot be built on the meta device (with a warning). The start-up line says which and why
+    (train/memory_format.py)."""
     cudnn_benchmark: Literal["auto", "on", "off"] = "auto"
     """torch.backends.cudnn.benchmark: cuDNN times its algorithms for each new convolution shape and keeps the
     fastest. auto: on when the step is graphed (its shapes are fixed, and the search happens in the eager warm-up
@@ -83,9 +84,10 @@ class TrainSection:
 
     @property
     def channels_last_on(self) -> bool:
-        """The layout to use: channels_last resolved per launch (train/layout.py). What places the model or converts
-        batches reads this, never channels_last itself: an auto never resolved (an experiment built by hand from
-        load_config, outside hpctrain's launch) reads as NCHW, torch's default, not as a true string."""
+        """The memory format to use: channels_last resolved per launch (train/memory_format.py). What places the
+        model or converts batches reads this, never channels_last itself: an auto never resolved (an experiment
+        built by hand from load_config, outside hpctrain's launch) reads as NCHW, torch's default, not as a true
+        string."""
         return self.channels_last is True
 
     @property
@@ -163,8 +165,9 @@ class DataSection:
     loader."""
     worker_start: Literal["forkserver", "spawn", "fork"] = "forkserver"
     """How loader workers start. fork copies a process that has threads (watchdog, process group), and a
-    child can deadlock in CPython's after-fork handler (seen here, 1 run in ~60); forkserver forks from a
-    clean single-threaded server. fork starts faster but is unsafe here. The dataset must be picklable."""
+    child can deadlock in CPython's after-fork handler (it has happened in this project's tests); forkserver
+    forks from a clean single-threaded server. fork starts faster but is unsafe here. The dataset must be
+    picklable."""
 
 
 @dataclass(frozen=True, kw_only=True)
