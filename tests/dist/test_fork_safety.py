@@ -50,7 +50,7 @@ def test_ctrl_c_twice_ends_a_run_whose_worker_is_stuck_in_c_code(tmp_path: Path)
     """Rank 0 blocks every signal and sleeps (as a worker stuck in C would: no Python handler runs): the first
     Ctrl-C waits for a step boundary that never comes, the second ends the run within INTERRUPT_GRACE_S, by the
     launcher's SIGKILL of the workers still running then (rank 0 at least), which the line says."""
-    from hpctrain.launch import INTERRUPT_GRACE_S
+    from hpctrain.launcher.signals import INTERRUPT_GRACE_S
 
     blocked = tmp_path / "rank0-blocked"
     proc = subprocess.Popen(

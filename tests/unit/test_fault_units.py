@@ -280,7 +280,7 @@ def test_one_process_vote_returns_ctrl_c_as_sigint():
 
 
 def test_the_launcher_counts_one_press_once(monkeypatch):
-    from hpctrain import launch
+    from hpctrain.launcher import signals as launch
 
     forwarded, clock = [], [50.0]
     monkeypatch.setattr(launch, "_forward", lambda signum, frame: forwarded.append(signum))

@@ -1,4 +1,4 @@
-"""Workers forked from the launcher (dist/forked_workers): the process torchrun gets looks like the one its Popen
+"""Workers forked from the launcher (launcher/forked_workers, launcher/fork_safety): the process torchrun gets looks like the one its Popen
 would give. The launches of tests/dist run through it on this CPU machine; a few of them run with
 HPCTRAIN_WORKER_START=exec too (tests/dist/test_launcher.py), so torchrun's own Popen stays tested."""
 
@@ -16,35 +16,38 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.dist import forked_workers as fw
+from hpctrain.launcher import fork_safety as fs
+from hpctrain.launcher import forked_workers as fw
 
 
 def test_the_fork_path_is_refused_where_it_is_unsafe_or_turned_off(monkeypatch):
-    assert fw.fork_refusal({fw.WORKER_START_ENV: "exec"}) == "HPCTRAIN_WORKER_START=exec"
-    assert "is not auto or exec" in fw.fork_refusal({fw.WORKER_START_ENV: "sometimes"})
+    assert fs.fork_refusal({fs.WORKER_START_ENV: "exec"}) == "HPCTRAIN_WORKER_START=exec"
+    assert "is not auto or exec" in fs.fork_refusal({fs.WORKER_START_ENV: "sometimes"})
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert "CUDA" in fw.fork_refusal({})
+    assert "CUDA" in fs.fork_refusal({})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert fw.fork_refusal({}) is None and fw.fork_refusal({fw.WORKER_START_ENV: "auto"}) is None
+    assert fs.fork_refusal({}) is None and fs.fork_refusal({fs.WORKER_START_ENV: "auto"}) is None
 
 
 def test_only_this_python_running_hpctrain_is_forked():
-    assert fw.hpctrain_module_args(sys.executable, ("-u", "-m", "hpctrain", "train", "digits")) == ["train", "digits"]
-    assert fw.hpctrain_module_args(sys.executable, ("-u", "-m", "other", "x")) is None
-    assert fw.hpctrain_module_args("/usr/bin/numactl", ("-u", "-m", "hpctrain")) is None
-    assert fw.hpctrain_module_args(sys.executable, ("-m", "hpctrain")) is None  # not torchrun's command shape
+    assert fw.module_command(sys.executable, ("-u", "-m", "hpctrain", "train", "digits")) == ("hpctrain",
+                                                                                            ["train", "digits"])
+    assert fw.module_command(sys.executable, ("-u", "-m", "other", "x")) is None
+    assert fw.module_command("/usr/bin/numactl", ("-u", "-m", "hpctrain")) is None
+    assert fw.module_command(sys.executable, ("-m", "hpctrain")) is None  # not torchrun's command shape
+    assert fw.module_command(sys.executable, ("-u", "-m")) is None
 
 
 def test_the_factory_is_replaced_only_within_the_launch():
     from torch.distributed.elastic.multiprocessing import api
 
     original = api.get_subprocess_handler
-    with fw.forked_workers(True, lambda: None, ("json",)) as active:
+    with fw.forked_workers(True, ("json",)) as active:
         assert active and api.get_subprocess_handler is not original
     assert api.get_subprocess_handler is original
-    with fw.forked_workers(False, lambda: None) as active:
+    with fw.forked_workers(False) as active:
         assert not active and api.get_subprocess_handler is original
 
 
@@ -171,14 +174,14 @@ def test_a_torch_whose_factory_takes_another_keyword_gets_torchruns_own_workers(
                         local_rank_id=local_rank_id, numa_options=numa_options)
 
     monkeypatch.setattr(api, "get_subprocess_handler", newer)
-    with fw.forked_workers(True, lambda: None) as active:
+    with fw.forked_workers(True) as active:
         assert not active and api.get_subprocess_handler is newer
     assert "its workers start as new Pythons" in capsys.readouterr().err
 
 
 THREADS_SCRIPT = """
 import os, torch
-from hpctrain.dist import forked_workers as fw
+from hpctrain.launcher import fork_safety as fw
 os.environ.pop("OMP_NUM_THREADS", None)
 before = fw.quiet_launcher()
 assert torch.get_num_threads() == 1 and before.intra_op == 2, (torch.get_num_threads(), before)
@@ -206,7 +209,7 @@ def test_the_launcher_starts_no_openmp_team_and_sees_one_that_user_code_started(
 
 PLAIN_SCRIPT = """
 import threading, torch
-from hpctrain.dist import forked_workers as fw
+from hpctrain.launcher import fork_safety as fw
 before = fw.quiet_launcher()
 assert before.unexplained == 0 and not before.python, (before, fw.openblas_server_threads())
 assert fw.thread_refusal(before) is None, fw.thread_refusal(before)
@@ -219,7 +222,7 @@ PLUGIN_SCRIPT = """
 import threading, torch
 (torch.randn(4_000_000) * 2).sum()  # a plugin's tensor op before hpctrain runs: OpenMP's team starts
 threading.Thread(target=threading.Event().wait, args=(60,), name="plugin", daemon=True).start()
-from hpctrain.dist import forked_workers as fw
+from hpctrain.launcher import fork_safety as fw
 before = fw.quiet_launcher()
 assert before.unexplained >= 1, (before, fw.openblas_server_threads())  # the team's threads besides the caller
 assert "more than numpy's OpenBLAS keeps" in fw.thread_refusal(before), fw.thread_refusal(before)

@@ -2,9 +2,9 @@ import sys
 
 import pytest
 
-from hpctrain.dist.launcher import torchrun_args
-from hpctrain.launch import exit_code
-from hpctrain.train.entry import TrainRequest
+from hpctrain.launcher.arguments import torchrun_args
+from hpctrain.launcher.failures import exit_code
+from hpctrain.commands.train import TrainRequest
 
 
 def test_worker_exit_codes_pass_through():
@@ -26,7 +26,7 @@ def test_torchrun_reruns_the_same_request_without_nproc():
 def test_first_failure_prefers_the_cause_over_torchruns_shutdown_sigterm():
     from types import SimpleNamespace
 
-    from hpctrain.launch import first_failure
+    from hpctrain.launcher.failures import first_failure
 
     lost_peer = {"message": "RuntimeError: [gloo/pair.cc:561] Connection closed by peer [127.0.0.1]:123. "
                             "This is typically caused by a remote worker crashing."}
@@ -48,25 +48,25 @@ def test_after_ctrl_c_a_rank_that_lost_its_peer_is_part_of_the_interrupt_not_a_f
     connection before its own KeyboardInterrupt is raised (seen in the suite). A real error stays a failure."""
     from types import SimpleNamespace
 
-    from hpctrain import launch
+    from hpctrain.launcher import failures, signals
 
     lost_peer = {"message": "RuntimeError: [gloo/pair.cc:561] Connection closed by peer [127.0.0.1]:123."}
     err = SimpleNamespace(failures={0: SimpleNamespace(timestamp=1, exitcode=130, message="", local_rank=0, pid=7),
                                     1: SimpleNamespace(timestamp=1, exitcode=1, message=lost_peer, local_rank=1, pid=8)})
-    monkeypatch.setattr(launch._Interrupts, "count", 2)
-    assert launch.report(err) == launch.INTERRUPTED
+    monkeypatch.setattr(signals._Interrupts, "count", 2)
+    assert failures.report(err) == signals.INTERRUPTED
     assert "hpctrain: interrupted (Ctrl-C): all 2 workers stopped;" in capsys.readouterr().err
     err.failures[1].message = "ValueError: bad batch"
-    assert launch.report(err) == 130 and "failed first" in capsys.readouterr().err  # rank 0 first: 130
-    monkeypatch.setattr(launch._Interrupts, "count", 0)  # no Ctrl-C: the same exits are a failure
+    assert failures.report(err) == 130 and "failed first" in capsys.readouterr().err  # rank 0 first: 130
+    monkeypatch.setattr(signals._Interrupts, "count", 0)  # no Ctrl-C: the same exits are a failure
     err.failures[1].message = lost_peer
-    assert launch.report(err) == 130 and "failed first" in capsys.readouterr().err
+    assert failures.report(err) == 130 and "failed first" in capsys.readouterr().err
 
 
 def test_failure_message_keeps_a_user_errors_message_before_its_hint():
     from types import SimpleNamespace
 
-    from hpctrain.launch import failure_message
+    from hpctrain.launcher.failures import failure_message
 
     user = SimpleNamespace(message={"message": "DataError: sample '7' of shard s.tar: cannot decode .png\nHINT: re-create it."})
     assert failure_message(user) == "DataError: sample '7' of shard s.tar: cannot decode .png (HINT: re-create it.)"
@@ -129,7 +129,7 @@ if sys.argv[1] == "launcher":
 else:
     got = []
     signal.signal(signal.SIGTERM, lambda *a: got.append(1))
-    from hpctrain.dist.launcher import stop_with_launcher
+    from hpctrain.dist.parent_death import stop_with_launcher
     stop_with_launcher(os.getppid())
     open(sys.argv[2] + ".armed", "w").close()
     deadline = time.monotonic() + 30
@@ -172,7 +172,7 @@ def test_a_forwarded_stop_signal_reaches_the_workers_not_the_node_monitors(tmp_p
     import subprocess
     import time
 
-    from hpctrain import launch
+    from hpctrain.launcher import signals
     from hpctrain.monitor.sidecars import node_monitors, running_monitors
 
     if shutil.which("top") is None:
@@ -187,11 +187,11 @@ def test_a_forwarded_stop_signal_reaches_the_workers_not_the_node_monitors(tmp_p
             assert paths and monitors, f"top is installed but node_monitors started no monitor: {paths}"
             # The launcher's children are the worker and the monitors: pytest's own (an xdist worker's, a
             # fixture's server) must not get the signal, so the children the launcher sees are these only.
-            monkeypatch.setattr(launch, "child_pids", lambda pid=None: [worker.pid, *monitors])
-            launch._forward(signal.SIGUSR2, None)
+            monkeypatch.setattr(signals, "child_pids", lambda pid=None: [worker.pid, *monitors])
+            signals._forward(signal.SIGUSR2, None)
             assert worker.wait(timeout=10) == -signal.SIGUSR2
             time.sleep(0.5)
-            assert monitors and all(launch._process_state(p) not in ("", "Z") for p in monitors)  # still running
+            assert monitors and all(signals._process_state(p) not in ("", "Z") for p in monitors)  # still running
             assert bystander.poll() is None
     finally:
         for proc in (worker, bystander):
@@ -206,26 +206,26 @@ def test_after_a_second_ctrl_c_the_launchers_own_kill_is_the_interrupt_not_a_fai
     import signal
     from types import SimpleNamespace
 
-    from hpctrain import launch
+    from hpctrain.launcher import failures, signals
 
     err = SimpleNamespace(failures={r: SimpleNamespace(timestamp=1, exitcode=-signal.SIGKILL, message="", local_rank=r,
                                                        pid=7 + r) for r in (0, 1)})
-    monkeypatch.setattr(launch._Interrupts, "count", 2)
-    monkeypatch.setattr(launch._Interrupts, "killed", frozenset({7, 8}))
-    assert launch.report(err) == launch.INTERRUPTED
+    monkeypatch.setattr(signals._Interrupts, "count", 2)
+    monkeypatch.setattr(signals._Interrupts, "killed", frozenset({7, 8}))
+    assert failures.report(err) == signals.INTERRUPTED
     assert "all 2 workers stopped; 2 still running 10 s after the second press were killed;" in capsys.readouterr().err
-    monkeypatch.setattr(launch._Interrupts, "killed", frozenset())  # killed by someone else: a failure
-    assert launch.report(err) == 137 and "failed first" in capsys.readouterr().err
+    monkeypatch.setattr(signals._Interrupts, "killed", frozenset())  # killed by someone else: a failure
+    assert failures.report(err) == 137 and "failed first" in capsys.readouterr().err
 
 
 KILLS = """
 import os, signal, subprocess, sys, time
 from types import SimpleNamespace
-from hpctrain import launch
+from hpctrain.launcher import failures, signals
 from hpctrain.fault.signals import SAME_PRESS_S
 
-signal.signal(signal.SIGTERM, launch._forward)  # as launch.main installs them
-signal.signal(signal.SIGINT, launch._Interrupts.handle)
+signal.signal(signal.SIGTERM, signals._forward)  # as launcher.torchrun.main installs them
+signal.signal(signal.SIGINT, signals._Interrupts.handle)
 
 
 def stuck():
@@ -234,12 +234,12 @@ def stuck():
                                                                  for s in (signal.SIGTERM, signal.SIGINT)])
 
 
-def scenario(name, signals, term_grace, interrupt_grace, oom_killed=False):
-    launch.TERM_GRACE_S, launch.INTERRUPT_GRACE_S = term_grace, interrupt_grace
-    launch._Interrupts.count, launch._Interrupts.first_at = 0, 0.0
-    launch._Interrupts.killed = launch._StopGrace.killed = frozenset()
+def scenario(name, sent, term_grace, interrupt_grace, oom_killed=False):
+    signals.TERM_GRACE_S, signals.INTERRUPT_GRACE_S = term_grace, interrupt_grace
+    signals._Interrupts.count, signals._Interrupts.first_at = 0, 0.0
+    signals._Interrupts.killed = signals._StopGrace.killed = frozenset()
     workers = [stuck(), stuck()]
-    for sig in signals:
+    for sig in sent:
         os.kill(os.getpid(), sig)
         time.sleep(SAME_PRESS_S + 0.3)  # another press, not the same one
     if oom_killed:
@@ -250,7 +250,7 @@ def scenario(name, signals, term_grace, interrupt_grace, oom_killed=False):
     err = SimpleNamespace(failures={r: SimpleNamespace(timestamp=1, exitcode=w.returncode, message="", local_rank=r,
                                                        pid=w.pid) for r, w in enumerate(workers)})
     print(f"== {name}", file=sys.stderr, flush=True)
-    print(f"exit {launch.report(err)}", file=sys.stderr, flush=True)
+    print(f"exit {failures.report(err)}", file=sys.stderr, flush=True)
 
 
 scenario("preempted", [signal.SIGTERM, signal.SIGINT], term_grace=4, interrupt_grace=1)
@@ -287,7 +287,7 @@ def test_workers_killed_by_the_stop_signals_grace_are_a_failure_not_a_ctrl_c(tmp
 
 
 def test_oversubscribed_threads_are_said_with_what_to_set():
-    from hpctrain.dist.launcher import oversubscription
+    from hpctrain.launcher.arguments import oversubscription
 
     line = oversubscription(2, {"OMP_NUM_THREADS": "2"}, cores=2)
     assert line and "2 processes x OMP_NUM_THREADS=2 = 4" in line and "set OMP_NUM_THREADS=1" in line
@@ -300,7 +300,7 @@ def test_oversubscribed_threads_are_said_with_what_to_set():
 def test_torchruns_error_line_is_dropped_for_clean_stop_codes_only():
     import logging
 
-    from hpctrain.dist.launcher import CleanStopLines
+    from hpctrain.launcher.failures import CleanStopLines
 
     def line(code):
         return logging.LogRecord("torch", logging.ERROR, "api.py", 1, "failed (exitcode: %s) local_rank: %s (pid: %s)"

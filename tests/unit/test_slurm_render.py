@@ -110,7 +110,7 @@ def test_srun_launcher_unbound_and_on_one_node():
 def test_srun_task_entry_runs_the_node_monitors_in_the_first_task_only(monkeypatch):
     from contextlib import contextmanager
 
-    from hpctrain.slurm import task
+    from hpctrain import srun_task as task
 
     calls = []
 

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from hpctrain.dist.launcher import die_with_parent
+from hpctrain.dist.parent_death import die_with_parent
 from hpctrain.dist.env import monitor_settings
 
 log = logging.getLogger("hpctrain")

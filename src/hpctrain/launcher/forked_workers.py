@@ -1,34 +1,17 @@
-"""Workers started as forks of the launcher, which has imported torch and hpctrain already, on machines without CUDA.
+"""Workers started as forks of the launcher, which has imported torch and the workers' modules already.
 
-torchrun starts each worker with Popen: a new Python that imports torch and torch.distributed.checkpoint again,
-about 3.7 s of CPU per worker on the project's 2-core VM (BENCHMARKS.md), most of a short CPU run's start and most
-of the test suite's time. Where no CUDA device is visible, hpctrain's launcher imports the worker's modules once
-and hands torchrun a subprocess handler whose process is a fork of the launcher, made to look like the process
-torchrun's Popen would give: one pid per worker, directly under the launcher (so PR_SET_PDEATHSIG and
-dist/launcher.stop_with_launcher hold), a session of its own (torchrun signals the group), the worker's
-environment, output files and argv, default signal handling, and none of the launcher's exit handlers. The worker
-then runs `python -m hpctrain ...` in-process (the entry point the launcher passes: cli.entry_point), as the new
-Python would have.
+torchrun starts each worker with Popen: a new Python that imports torch and the training loop again, most of a
+short CPU run's start and of the test suite's time (BENCHMARKS.md). Where fork_safety allows it, the launcher imports
+the workers' modules once and hands torchrun a subprocess handler whose process is a fork of the launcher, made to
+look like the process torchrun's Popen would give: one pid per worker, directly under the launcher (so
+PR_SET_PDEATHSIG and dist/parent_death.stop_with_launcher hold), a session of its own (torchrun signals the group),
+the worker's environment, output files and argv, default signal handling, and none of the launcher's exit handlers.
+The worker then runs its command's module (``python -u -m MODULE ARGS``) as ``__main__``, as the new Python would.
 
-Torch's own Popen stays where a fork would be unsafe or is not ours to make: with a CUDA device visible (CUDA's
-state cannot cross a fork, and the launcher may have touched it), a command that is not `python -u -m hpctrain`
-(numactl wrapping, another program), HPCTRAIN_WORKER_START=exec, or threads in the launcher that a fork would
-inherit half (below). torch gives no hook for this: we replace its module-level handler factory for the launch
-(checked to exist with parameters the replacement accepts, else torchrun's own is used and the launcher says so).
-
-OpenMP. torch's CPU build uses GNU OpenMP, which is not fork-safe: a fork inherits the parent's thread team as
-bookkeeping without the threads, and its first parallel op waits for them forever. The launcher imports the user's
-experiment module (to check the config) before it forks, and a module-level op such as ``(torch.randn(N) * 2).sum()``
-starts that team whenever OMP_NUM_THREADS > 1. So the launcher runs on one intra-op thread from before it imports
-user code (quiet_launcher: no team is ever started, the import's own ops run serially), each worker sets its threads
-as a new Python would, and right before the launch the launcher checks that nothing since has started native threads
-or raised its thread count (user code calling torch.set_num_threads, a library's own pool): then every worker starts
-as a new Python and the launcher says why, once. The same where code that ran before quiet_launcher (a sitecustomize
-or .pth plugin) left more native threads than numpy's OpenBLAS server keeps (which stops itself around a fork: its
-pthread_atfork handler, checked here): an OpenMP team may be among them. And the same for a Python thread that
-hpctrain and torch did not start (a plugin's, or one the experiment's module started at its import): a lock it holds
-at the fork stays held in every worker. Those torchrun starts during the launch (its store's, its rendezvous
-keep-alive) and the node monitors' are the launcher's own.
+Torch's own Popen stays where a fork is not ours to make: another program or module (FORKED_MODULES), numactl
+wrapping, or a fork refused. torch gives no hook for this: we replace its module-level handler factory for the
+launch (checked to exist with parameters the replacement accepts, else torchrun's own is used and the launcher
+says so).
 """
 
 from __future__ import annotations
@@ -37,6 +20,7 @@ import contextlib
 import importlib
 import inspect
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -47,134 +31,36 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-WORKER_START_ENV = "HPCTRAIN_WORKER_START"
-"""auto (default): forked where no CUDA device is visible; exec: every worker a new Python (torchrun's Popen)."""
+from hpctrain.launcher.fork_safety import LauncherThreads, thread_refusal
 
-def fork_refusal(environ: dict[str, str] | None = None) -> str | None:
-    """Why this launch's workers must be new Pythons, or None when they can be forks of the launcher."""
-    setting = (environ if environ is not None else os.environ).get(WORKER_START_ENV, "auto").strip().lower()
-    if setting == "exec":
-        return f"{WORKER_START_ENV}=exec"
-    if setting not in ("auto", ""):
-        return f"{WORKER_START_ENV}={setting!r} is not auto or exec"
-    import torch
-
-    if torch.cuda.is_available():
-        return "a CUDA device is visible (CUDA's state cannot cross a fork)"
-    return None
+FORKED_MODULES = frozenset({"hpctrain"})
+"""The ``-m`` modules whose workers may be forks: hpctrain's own, whose start in a fork is tested (tests/dist); a
+worker running another module starts as a new Python until its start in a fork is known to be safe."""
 
 
 @dataclass(frozen=True)
-class LauncherThreads:
-    """The launcher's threads from before it imported the experiment's module (quiet_launcher)."""
+class ModuleEntry:
+    """A worker's ``python -m MODULE``: the module run as ``__main__`` (it reads sys.argv), then the exit a program
+    that returns gets, without the interpreter's finalization (hpctrain.process_exit)."""
 
-    native: frozenset[int]
-    """Ids of the threads then that Python's threading does not know (numpy's OpenBLAS server, for one)."""
-    intra_op: int
-    """torch's intra-op threads then: what a worker without OMP_NUM_THREADS gets, as a new Python would."""
-    unexplained: int = 0
-    """How many of ``native`` numpy's OpenBLAS server does not account for: an OpenMP team that code run before
-    (a sitecustomize or .pth plugin, a tensor op) started may be among them, and a fork would inherit it."""
-    python: frozenset[threading.Thread] = frozenset()
-    """Python threads then besides the main one (a plugin's): not hpctrain's or torchrun's."""
+    module: str
+    """The module torchrun's worker command names after ``-m``."""
 
+    def __call__(self) -> None:
+        from hpctrain.process_exit import exit_without_finalizing
 
-def quiet_launcher() -> LauncherThreads:
-    """Before the launcher imports user code: torch's intra-op threads set to one, so that parallel work at the
-    import of the user's module starts no OpenMP team for the workers to inherit (module docstring)."""
-    import torch
-
-    native = native_threads()
-    before = LauncherThreads(native, torch.get_num_threads(), max(0, len(native) - openblas_server_threads()),
-                             frozenset(python_threads()))
-    torch.set_num_threads(1)
-    return before
-
-
-def python_threads() -> list[threading.Thread]:
-    """This process's Python threads but the main one."""
-    return [t for t in threading.enumerate() if t is not threading.main_thread()]
-
-
-def openblas_server_threads() -> int:
-    """The threads the OpenBLAS libraries loaded here (numpy's) start when they load: a pthreads build keeps one
-    fewer than its thread count waiting (none with OMP_NUM_THREADS=1 or one core), and stops them around a fork
-    (its pthread_atfork handler); an OpenMP or serial build keeps none. What a plain ``import torch`` leaves."""
-    import ctypes
-
-    total = 0
-    for path in _loaded_libraries("openblas"):
-        try:
-            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-        except OSError:
-            continue
-        names = [f"{prefix}openblas_get_%s{suffix}" for prefix in ("", "scipy_") for suffix in ("", "64_")]
-        count = next((f() for f in (getattr(lib, n % "num_threads", None) for n in names) if f is not None), 1)
-        parallel = next((f() for f in (getattr(lib, n % "parallel", None) for n in names) if f is not None), 1)
-        total += max(0, count - 1) if parallel == 1 else 0
-    return total
-
-
-def _loaded_libraries(name: str) -> set[str]:
-    """Paths of the shared libraries mapped into this process whose file name holds ``name``."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split(maxsplit=5)[-1].strip() for line in maps if "/" in line}
-    except OSError:  # pragma: no cover - no procfs
-        return set()
-    return {p for p in paths if name in os.path.basename(p).lower() and ".so" in os.path.basename(p)}
-
-
-def native_threads() -> frozenset[int]:
-    """Ids of this process's threads that Python's threading module does not know (OpenMP's, OpenBLAS's, libuv's)."""
-    try:
-        tasks = {int(t) for t in os.listdir("/proc/self/task")}
-    except OSError:  # pragma: no cover - no procfs: nothing is known, so nothing is counted as new
-        return frozenset()
-    return frozenset(tasks - {t.native_id for t in threading.enumerate()})
-
-
-OPENMP_HANG = "a fork could inherit an OpenMP team without its threads and hang at its first parallel op"
-
-
-def thread_refusal(before: LauncherThreads, ours: frozenset[threading.Thread] = frozenset()) -> str | None:
-    """Why a fork of the launcher is unsafe now, or None: threads that user code (or code before hpctrain) started,
-    which a fork would inherit half. ``ours``: Python threads that hpctrain's own imports started (torch's, for the
-    workers' modules). Called right before torchrun starts: from then on only torchrun's and hpctrain's code runs
-    in the launcher, so the threads a fork meets beyond these are theirs (torchrun's rendezvous keep-alive, the
-    node monitors' readers)."""
-    import torch
-
-    if torch.get_num_threads() != 1:
-        return (f"code the launcher ran set torch's intra-op threads to {torch.get_num_threads()} "
-                f"(torch.set_num_threads at the import of the experiment's module?): {OPENMP_HANG}")
-    if before.unexplained:
-        return (f"{before.unexplained} native thread(s) more than numpy's OpenBLAS keeps were running before the "
-                f"launcher imported the experiment's module (an OpenMP team a sitecustomize or .pth plugin started?): "
-                f"{OPENMP_HANG}")
-    started = native_threads() - before.native
-    if started:
-        return (f"{len(started)} native thread(s) started in the launcher since it imported the experiment's module "
-                f"(an OpenMP team or another library's thread pool): {OPENMP_HANG}")
-    others = [t for t in python_threads() if t not in ours]
-    if others:
-        names = ", ".join(sorted(repr(t.name) for t in others))
-        when = ("were running before the launcher imported the experiment's module (a sitecustomize or .pth "
-                "plugin's?)" if all(t in before.python for t in others) else
-                "started at the import of the experiment's module or before")
-        return (f"Python thread(s) {names} {when}: a lock one of them holds at the fork stays held in every worker, "
-                "which then hangs on it")
-    return None
+        runpy.run_module(self.module, run_name="__main__", alter_sys=True)
+        exit_without_finalizing(0)
 
 
 @contextlib.contextmanager
-def forked_workers(enabled: bool, entry: Callable[[], Any], preimport: Sequence[str] = (),
+def forked_workers(enabled: bool, preload: Sequence[str] = (),
                    threads: LauncherThreads | None = None) -> Iterator[bool]:
-    """Within: torchrun's local workers (``python -u -m hpctrain ...``) are forks of this process that call
-    ``entry`` (what ``python -m hpctrain`` runs; it reads sys.argv and ends the process) after importing the modules
-    ``preimport`` names here, once for all of them; ``threads``: quiet_launcher's record, checked after those imports
-    (None: not checked). Entered right before torchrun starts, and before the launcher starts threads of its own
-    (the node monitors'). Yields whether the fork path is in place."""
+    """Within: torchrun's local workers (``python -u -m MODULE ...``, MODULE in FORKED_MODULES) are forks of this
+    process that run MODULE as ``__main__`` (ModuleEntry) after importing the modules ``preload`` names here, once
+    for all of them; ``threads``: quiet_launcher's record, checked after those imports (None: not checked).
+    Entered right before torchrun starts, and before the launcher starts threads of its own (the node monitors').
+    Yields whether the fork path is in place."""
     api = _torch_api() if enabled else None
     if api is None:
         if enabled:
@@ -183,7 +69,7 @@ def forked_workers(enabled: bool, entry: Callable[[], Any], preimport: Sequence[
         yield False
         return
     present = set(threading.enumerate())
-    for name in preimport:
+    for name in preload:
         importlib.import_module(name)
     ours = frozenset(t for t in threading.enumerate() if t not in present)  # torch's and hpctrain's imports'
     refusal = thread_refusal(threads, ours) if threads is not None else None
@@ -198,9 +84,10 @@ def forked_workers(enabled: bool, entry: Callable[[], Any], preimport: Sequence[
                 local_rank_id: int, numa_options: Any = None) -> Any:
         kwargs = dict(entrypoint=entrypoint, args=args, env=env, stdout=stdout, stderr=stderr,
                       local_rank_id=local_rank_id, numa_options=numa_options)
-        if numa_options is None and hpctrain_module_args(entrypoint, args) is not None:
+        command = module_command(entrypoint, args)
+        if numa_options is None and command is not None:
             try:
-                return _forked_handler_class(entry, intra_op)(**kwargs)
+                return _forked_handler_class(ModuleEntry(command[0]), intra_op)(**kwargs)
             except OSError as err:  # fork refused (strict overcommit, process limit): Popen may still work
                 print(f"hpctrain: could not fork a worker ({err}); starting it as a new Python", file=sys.stderr)
         return original(**kwargs)
@@ -212,13 +99,14 @@ def forked_workers(enabled: bool, entry: Callable[[], Any], preimport: Sequence[
         api.get_subprocess_handler = original
 
 
-def hpctrain_module_args(entrypoint: str, args: tuple) -> list[str] | None:
-    """The arguments after ``-m hpctrain`` when torchrun's command is this Python running hpctrain, else None."""
+def module_command(entrypoint: str, args: tuple) -> tuple[str, list[str]] | None:
+    """(MODULE, its arguments) when torchrun's command is this Python running ``-u -m MODULE`` of FORKED_MODULES,
+    else None."""
     head = [str(a) for a in args[:3]]
     # abspath, not realpath: two venvs' pythons are links to one binary, with other site-packages (PYTHON_EXEC)
-    if os.path.abspath(entrypoint) != os.path.abspath(sys.executable) or head != ["-u", "-m", "hpctrain"]:
+    if os.path.abspath(entrypoint) != os.path.abspath(sys.executable) or head[:2] != ["-u", "-m"] or len(head) < 3:
         return None
-    return [str(a) for a in args[3:]]
+    return (head[2], [str(a) for a in args[3:]]) if head[2] in FORKED_MODULES else None
 
 
 HANDLER_PARAMETERS = ("entrypoint", "args", "env", "stdout", "stderr", "local_rank_id", "numa_options")
@@ -252,9 +140,9 @@ def _forked_handler_class(entry: Callable[[], Any], intra_op: int = 0):
         """torch's handler, with a fork of the launcher in place of its Popen (it opened the output files)."""
 
         def _popen(self, args: tuple, env: dict[str, str]) -> "ForkedProcess":
-            module_args = hpctrain_module_args(args[0], tuple(args[1:]))
-            assert module_args is not None  # checked by forked_workers' handler
-            return ForkedProcess.start(module_args, env, getattr(self, "_stdout", None), getattr(self, "_stderr", None),
+            command = module_command(args[0], tuple(args[1:]))
+            assert command is not None  # checked by forked_workers' handler
+            return ForkedProcess.start(command[1], env, getattr(self, "_stdout", None), getattr(self, "_stderr", None),
                                        entry, intra_op)
 
     return ForkedHandler
@@ -307,7 +195,7 @@ class ForkedProcess:
             for fd in (ready_r, ready_w):
                 if fd >= 0:
                     os.close(fd)
-        return cls(pid, ["python", "-u", "-m", "hpctrain", *module_args])
+        return cls(pid, ["python", "-u", "-m", str(getattr(entry, "module", "?")), *module_args])
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -354,8 +242,8 @@ def _child(module_args: list[str], env: dict[str, str], output: tuple[Any, Any],
 
 def _become_worker(module_args: list[str], env: dict[str, str], output: tuple[Any, Any],
                    entry: Callable[[], Any], ready: int, intra_op: int) -> None:
-    """In the forked child (every signal blocked): the state a new `python -u -m hpctrain MODULE_ARGS` would start
-    its main() with, then main() and hpctrain's own exit. Never returns into the launcher's code, whatever happens."""
+    """In the forked child (every signal blocked): the state a new `python -u -m MODULE MODULE_ARGS` would start
+    with, then ``entry`` (the module, and its exit). Never returns into the launcher's code, whatever happens."""
     code = 1
     try:
         os.setsid()  # what torchrun's Popen(start_new_session=True) gives: it signals the worker's group
@@ -369,14 +257,12 @@ def _become_worker(module_args: list[str], env: dict[str, str], output: tuple[An
         os.environ.clear()
         os.environ.update(env)
         _forget_launcher_state()
-        import hpctrain
-
-        sys.argv = [os.path.join(os.path.dirname(hpctrain.__file__), "__main__.py"), *module_args]
+        sys.argv = ["-m", *module_args]  # as python -m has it until it finds the module (runpy: its file)
         _threads_from_environment(intra_op)
         for stream in (sys.stdout, sys.stderr):  # python -u
             with contextlib.suppress(Exception):
                 stream.reconfigure(write_through=True)
-        entry()  # ends the process (cli.entry_point: process_exit.run_and_exit)
+        entry()  # ends the process (ModuleEntry: the module's own exit, or process_exit's)
     except SystemExit as exc:
         from hpctrain.process_exit import exit_code_of
 
@@ -388,7 +274,7 @@ def _become_worker(module_args: list[str], env: dict[str, str], output: tuple[An
 
         traceback.print_exc()
     finally:
-        # no signal may raise here and unwind into the launcher's code (torchrun's loop, launch.main's clean-up)
+        # no signal may raise here and unwind into the launcher's code (torchrun's loop, torchrun.main's clean-up)
         try:
             with contextlib.suppress(BaseException):
                 signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
