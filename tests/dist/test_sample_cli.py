@@ -81,7 +81,7 @@ def test_sample_refuses_bad_run_dirs(tmp_path, capsys):
 
 
 def test_sampling_flags_need_sampling_options():
-    from hpctrain.train.sample import check_can_sample
+    from hpctrain.resolution import check_can_sample
 
     class DrawsWithoutOptions(LinearToy):
         def outputs(self, model, out):
@@ -93,7 +93,7 @@ def test_sampling_flags_need_sampling_options():
 
 
 def test_out_dir_must_not_be_the_runs_own_folders_or_a_file(tmp_path):
-    from hpctrain.train.sample import check_out_dir
+    from hpctrain.train.sampling import check_out_dir
 
     run = tmp_path / "run"
     (run / "images").mkdir(parents=True)

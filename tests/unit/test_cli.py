@@ -101,7 +101,7 @@ def test_user_facing_text_cites_the_source_not_a_developers_folder(capsys):
 
 
 def test_experiments_are_listed_with_whole_sentences(capsys):
-    from hpctrain.cli import first_sentence
+    from hpctrain.commands.experiments import first_sentence
 
     doc = "One thing (e.g. this) over\n  two lines. Then more.\n\nDetails."
     assert first_sentence(doc) == "One thing (e.g. this) over two lines."

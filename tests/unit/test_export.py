@@ -10,8 +10,9 @@ import torch
 
 from hpctrain.cli import main
 from hpctrain.config import config_to_toml
-from hpctrain.train.export import ModelCard, export_run, render_model_card
-from hpctrain.train.entry import resolve
+from hpctrain.commands.export import export_run
+from hpctrain.export import ModelCard, render_model_card
+from hpctrain.resolution import resolve_config
 from tests.conftest import write_dcp_checkpoint
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "ddpm_cifar10_tiny.toml"
@@ -51,8 +52,8 @@ Weights of an hpctrain run of the experiment `ddpm_cifar10`, exported from check
 
 ```python
 from safetensors.torch import load_file
-from hpctrain.train.entry import resolve
-cls, cfg = resolve("ddpm_cifar10", "config.toml", ())
+from hpctrain import resolve_config
+cls, cfg = resolve_config("ddpm_cifar10", "config.toml")
 model = cls(cfg).build_model()
 model.load_state_dict(load_file("model.safetensors"))
 ```
@@ -77,7 +78,7 @@ def test_model_card_without_validation_ema_or_samples():
 def fake_run(run_dir: Path, ema: bool = True) -> dict[str, torch.Tensor]:
     """A run dir as training leaves it (config.toml, one checkpoint, metrics, a sample grid), with EMA weights
     that differ from the model's; returns the weights an export must ship."""
-    cls, cfg = resolve("ddpm_cifar10", str(CONFIG), (f"run.dir={run_dir}",))
+    cls, cfg = resolve_config("ddpm_cifar10", str(CONFIG), (f"run.dir={run_dir}",))
     run_dir.mkdir(parents=True)
     text = config_to_toml(cfg)
     (run_dir / "config.toml").write_text(text)
@@ -119,7 +120,7 @@ def test_export_ships_the_ema_weights_and_they_load_into_a_fresh_model(tmp_path,
     assert "7 steps (1 epoch and 2 steps), global batch 16, 112 samples seen" in card
     assert "## Validation (step 7)" in card and "| loss | 0.25 |" in card
     assert "EMA of the training weights (decay 0.99)" in card and "![samples](samples.png)" in card
-    cls, cfg = resolve("ddpm_cifar10", str(CONFIG), ())
+    cls, cfg = resolve_config("ddpm_cifar10", str(CONFIG), ())
     params = sum(p.numel() for p in cls(cfg).build_model().parameters())
     assert f"| parameters | {params:,} |" in card
 

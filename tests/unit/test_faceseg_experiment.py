@@ -176,7 +176,7 @@ def test_initial_weights_load_only_on_a_fresh_start(tmp_path: Path, monkeypatch)
 def test_predict_reads_8_and_16_bit_images_and_refuses_folders(tmp_path: Path):
     from PIL import Image
 
-    from hpctrain.train.predict import read_image
+    from hpctrain.experiments.faceseg.predict import read_image
 
     Image.fromarray(np.full((5, 7, 3), 200, np.uint8)).save(tmp_path / "rgb.png")
     Image.fromarray(np.full((5, 7), 40000, np.uint16)).save(tmp_path / "deep.png")

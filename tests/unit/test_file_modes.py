@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hpctrain.atomic import atomic_write_text, new_file_mode
-from hpctrain.train.export import write_export, write_weights_file
+from hpctrain.export import write_export, write_weights_file
 
 
 @pytest.fixture(params=[0o022, 0o027])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Sequence
 
 from hpctrain.errors import UserError
 
@@ -33,3 +34,15 @@ def check_nproc(nproc_per_node: int) -> int:
     if nproc_per_node < 0:
         raise UserError(f"--nproc-per-node must be positive, got {nproc_per_node}")
     return nproc_per_node
+
+
+def parse_with_overrides(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``parser``'s arguments, with key=value items allowed before or after options: argparse alone would reject
+    those after an option, so leftovers of that form are added to the overrides."""
+    args, extra = parser.parse_known_args(argv)
+    stray = [e for e in extra if e.startswith("-") or "=" not in e or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
+    return args

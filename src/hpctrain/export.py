@@ -1,4 +1,4 @@
-"""`hpctrain export RUN_DIR`: a trained run's shipped weights, packaged for a model hub.
+"""A trained run's shipped weights, packaged for a model hub (`hpctrain export RUN_DIR`: commands/export.py).
 
 DIR/model.safetensors holds the weights that ship (the EMA ones when the checkpoint has them, else the model's)
 as plain, contiguous CPU tensors; DIR/config.toml is the run's config; DIR/README.md is a model card (what was
@@ -20,9 +20,10 @@ import torch
 from torch import nn
 
 from hpctrain.atomic import fsync_dir, give_new_file_mode
+from hpctrain.config.schema import RunConfig
 from hpctrain.errors import UserError
+from hpctrain.experiments import Experiment
 from hpctrain.metrics.records import metric_values, read_metrics
-from hpctrain.train.sample import resolve_run
 from hpctrain.train.state import TrainState
 
 log = logging.getLogger("hpctrain")
@@ -92,8 +93,8 @@ def render_model_card(card: ModelCard) -> str:
         "",
         "```python",
         "from safetensors.torch import load_file",
-        "from hpctrain.train.entry import resolve",
-        f'cls, cfg = resolve("{card.experiment}", "config.toml", ())',
+        "from hpctrain import resolve_config",
+        f'cls, cfg = resolve_config("{card.experiment}", "config.toml")',
         "model = cls(cfg).build_model()",
         f'model.load_state_dict(load_file("{WEIGHTS}"))',
         "```",
@@ -179,18 +180,17 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def export_run(run_dir: Path, out: Path | None = None, resume: str = "auto", weights: str = "auto") -> list[Path]:
-    """Export RUN_DIR's weights (``weights``: auto = the EMA ones when the run has them, ema, or model), config and
-    model card to ``out`` (default RUN_DIR/export); ``out`` ending in .safetensors writes that one file (the config
-    in its metadata) and the config beside it (.toml), for inference code and model hubs. Works from a checkpoint of
+def export_weights(cls: type[Experiment], cfg: RunConfig, run_dir: Path, out: Path | None = None,
+                   weights: str = "auto") -> list[Path]:
+    """Export the weights of RUN_DIR's checkpoint cfg.ckpt.resume (``weights``: auto = the EMA ones when the run
+    has them, ema, or model), config and model card to ``out`` (default RUN_DIR/export); ``out`` ending in
+    .safetensors writes that one file (the config in its metadata) and the config beside it (.toml), for inference
+    code and model hubs. ``cls`` and ``cfg``: the run's own (resolution.resolve_run). Works from a checkpoint of
     any strategy and world size (torch.distributed.checkpoint reassembles the shards in this one process); returns
-    the files written. UserError (and nothing written) for a bad run dir, checkpoint or destination."""
+    the files written. UserError (and nothing written) for a bad checkpoint or destination."""
     from hpctrain.checkpoint.manager import Checkpointer
     from hpctrain.dist.runtime import single_process_runtime
 
-    if resume == "never":
-        raise UserError("--resume never loads no weights", "use --resume auto or a checkpoint directory.")
-    cls, cfg = resolve_run(run_dir, (f"ckpt.resume={resume}",))
     out = out if out is not None else run_dir / "export"
     single_file = out.suffix == ".safetensors"
     check_out_file(out, run_dir) if single_file else check_out_dir(out, run_dir)
@@ -261,9 +261,3 @@ def write_weights_file(out: Path, tensors: dict[str, torch.Tensor], metadata: di
             tmp.unlink(missing_ok=True)
         raise
     return [out, config]
-
-
-def export_command(run_dir: Path, out: Path | None, resume: str, weights: str = "auto") -> int:
-    for path in export_run(run_dir, out, resume, weights):
-        print(path, flush=True)
-    return 0

@@ -1,11 +1,11 @@
-"""`hpctrain predict RUN_DIR [IMAGES...] --out DIR [--compare OTHER_RUN]`: a trained segmentation run's
-predictions, in one process (a GPU when there is one).
+"""A trained segmentation run's predictions (`hpctrain predict`: commands/predict.py), in one process (a GPU when
+there is one).
 
-- With IMAGES: per image, ``<stem>.png`` (the coloured mask, the input's size) and ``<stem>_labels.png`` (the class
-  indices as grey levels, for programs), and with --compare ``comparison.png`` (image, this run's prediction, the
-  other run's).
-- Without IMAGES: ``comparison.png`` for the run's fixed validation images (image, ground truth, prediction, and
-  the other run's prediction with --compare): the pretrained-vs-scratch picture.
+- With images: per image, ``<stem>.png`` (the coloured mask, the input's size) and ``<stem>_labels.png`` (the class
+  indices as grey levels, for programs), and with a second run ``comparison.png`` (image, this run's prediction,
+  the other run's).
+- Without images: ``comparison.png`` for the run's fixed validation images (image, ground truth, prediction, and
+  the other run's prediction with a second run): the pretrained-vs-scratch picture.
 
 Weights: the checkpoint's shipped ones (EMA when present). Every file is written whole (temp file, rename).
 """
@@ -18,29 +18,28 @@ from typing import Sequence
 
 import torch
 
+from hpctrain.config.schema import RunConfig
 from hpctrain.errors import UserError
+from hpctrain.experiments.base import Experiment
 from hpctrain.metrics.images import write_png
-from hpctrain.train.sample import check_out_dir, resolve_run
 
 log = logging.getLogger("hpctrain")
 
 
-def load_predictor(run_dir: Path, resume: str, device: torch.device):
-    """(experiment, model in eval mode on ``device``, step) of a trained run."""
+def load_predictor(cls: type[Experiment], cfg: RunConfig, device: torch.device):
+    """(experiment, model in eval mode on ``device``, step) of a trained run: its own config (resolution.resolve_run)
+    and the checkpoint cfg.ckpt.resume."""
     from hpctrain.checkpoint.manager import Checkpointer
     from hpctrain.dist.runtime import single_process_runtime
 
-    if resume == "never":
-        raise UserError("--resume never loads no weights", "use --resume auto or a checkpoint directory.")
-    cls, cfg = resolve_run(run_dir, (f"ckpt.resume={resume}",))
     experiment = cls(cfg)
     if not callable(getattr(experiment, "predict", None)):
         raise UserError(f"experiment '{cfg.experiment}' makes no per-pixel predictions (it has no predict method)",
                         "hpctrain predict is for segmentation runs, e.g. faceseg; use hpctrain sample for generators.")
     model = experiment.build_model()
     runtime = single_process_runtime(torch.device("cpu"))
-    loaded = Checkpointer(run_dir, cfg.experiment, runtime, "", cfg.ckpt.keep_last).restore_weights(cfg.ckpt.resume,
-                                                                                                   model)
+    loaded = Checkpointer(Path(cfg.run_dir), cfg.experiment, runtime, "", cfg.ckpt.keep_last).restore_weights(
+        cfg.ckpt.resume, model)
     return experiment, model.to(device).eval(), int(loaded.info["step"])
 
 
@@ -63,45 +62,45 @@ def read_image(path: Path) -> torch.Tensor:
     return image
 
 
-def predict_command(run_dir: Path, images: Sequence[str], out: Path | None, compare: Path | None,
-                    resume: str = "auto") -> int:
-    from hpctrain.experiments.faceseg.figures import colorize, comparison_figure
-
-    out = out if out is not None else run_dir / "predictions"
-    check_out_dir(out, run_dir)
+def read_images(images: Sequence[str]) -> tuple[list[str], list[torch.Tensor]]:
+    """(file stems, images), all read before anything is written; two images of one file name are refused (their
+    masks would overwrite each other)."""
     paths = [Path(p) for p in images]
     stems = [p.stem for p in paths]
     if len(set(stems)) != len(stems):
         raise UserError("two input images have the same file name, and their masks would overwrite each other",
                         "predict them in separate calls, or rename one.")
-    inputs = [read_image(p) for p in paths]  # all read before anything is written
+    return stems, [read_image(p) for p in paths]
+
+
+def write_predictions(out: Path, stems: Sequence[str], inputs: Sequence[torch.Tensor],
+                      runs: Sequence[tuple[type[Experiment], RunConfig]]) -> list[Path]:
+    """The masks of ``inputs`` by the first run (and comparison.png with every run's), or without inputs
+    comparison.png of the first run's validation images; returns the files written."""
+    from hpctrain.experiments.faceseg.figures import colorize, comparison_figure
+
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    runs = [load_predictor(run_dir, resume, device)]
-    if compare is not None:
-        runs.append(load_predictor(compare, "auto", device))
+    predictors = [load_predictor(cls, cfg, device) for cls, cfg in runs]
     columns: list[tuple[str, list[torch.Tensor]]] = []
+    written = []
     if inputs:
         shown = [im.permute(1, 2, 0).numpy() for im in inputs]
-        for experiment, model, step in runs:
-            columns.append((f"{_name(experiment)} (step {step})", _predict(experiment, model, inputs, device)))
-        written = []
+        for experiment, model, step in predictors:
+            columns.append((f"{_name(experiment)} (step {step})", _predict(experiment, model, list(inputs), device)))
         for stem, mask in zip(stems, columns[0][1]):
             written.append(write_png(out / f"{stem}.png", colorize(mask)))
             written.append(write_png(out / f"{stem}_labels.png", mask.to(torch.uint8).cpu().numpy()[..., None]))
     else:
-        experiment = runs[0][0]
+        experiment = predictors[0][0]
         images, labels = experiment.preview(experiment.options.preview_images)
         shown = [im.permute(1, 2, 0).numpy() for im in images]
         columns.append(("ground truth", list(labels)))
-        for run_experiment, model, step in runs:
+        for run_experiment, model, step in predictors:
             columns.append((f"{_name(run_experiment)} (step {step})",
                             _predict(run_experiment, model, list(images), device)))
-        written = []
-    if compare is not None or not inputs:
+    if len(runs) > 1 or not inputs:
         written.append(write_png(out / "comparison.png", comparison_figure(shown, columns)))
-    for path in written:
-        print(path, flush=True)
-    return 0
+    return written
 
 
 def _predict(experiment, model, images: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
