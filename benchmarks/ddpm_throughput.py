@@ -161,7 +161,7 @@ def overrides(s: Settings, micro: int, run_dir: str, mode: str = "eager") -> lis
 
 
 def load(s: Settings, micro: int, run_dir: str, mode: str = "eager"):
-    from hpctrain.train.entry import resolve
+    from hpctrain.resolution import resolve_config as resolve
 
     return resolve(EXPERIMENT, None, tuple(overrides(s, micro, run_dir, mode)))
 

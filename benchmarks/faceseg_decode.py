@@ -53,7 +53,7 @@ GOALS = {"batch 96": 2000.0, "micro 16": 1200.0}
 
 def experiment_data(shards: Path, size: int, gpu_decode: bool):
     """The face-parsing experiment's own training data (datasets and transform) over ``shards``."""
-    from hpctrain.train.entry import resolve
+    from hpctrain.resolution import resolve_config as resolve
 
     overrides = ("model.source=shards", f"model.data_root={shards}", f"model.image_size={size}", "data.augment=true",
                  f"model.gpu_decode={'true' if gpu_decode else 'false'}", "data.num_workers=0")

@@ -217,7 +217,7 @@ def overrides(s: Settings, batch: int, run_dir: str, path: str = "", shards: str
 
 
 def load(s: Settings, batch: int, run_dir: str, path: str = "", shards: str = ""):
-    from hpctrain.train.entry import resolve
+    from hpctrain.resolution import resolve_config as resolve
 
     cls, cfg = resolve(EXPERIMENT, None, tuple(overrides(s, batch, run_dir, path, shards)))
     if not issubclass(cls, FaceSegCelebAMask):

@@ -136,7 +136,7 @@ def build(strategy: str, model: nn.Module, runtime, blocks: list[nn.Module]):
     """The model and optimizer exactly as hpctrain's training builds them for ``strategy`` (dist/wrap.py,
     train/optim.py), from the config keys a user sets."""
     from hpctrain.dist.wrap import unwrap_model, wrap_model
-    from hpctrain.train.entry import resolve
+    from hpctrain.resolution import resolve_config as resolve
     from hpctrain.train.optim import build_optimizer
 
     _, cfg = resolve("digits", None, (f"dist.strategy={strategy}", "optim.name=adamw", "optim.weight_decay=0.0"))

@@ -87,7 +87,7 @@ class StandInGraph:
 def context(mode: str, micro: int, smoke: bool, run_dir: str, extra: tuple[str, ...] = ()):
     from hpctrain.dist.runtime import single_process_runtime
     from hpctrain.train import run
-    from hpctrain.train.entry import resolve
+    from hpctrain.resolution import resolve_config as resolve
     from hpctrain.train.graphed import GraphedStep
 
     channels_last = "false" if mode == "eager-nchw" else "true"

@@ -32,14 +32,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def request_from_argv(argv: Sequence[str]):
-    """The request of a `hpctrain train|eval|sample ...` command line (until the torchrun wrapper reads
-    commands.train.config_from_argv)."""
-    args = parse(argv)
-    requests = {"train": train.TrainRequest, "eval": train.EvalRequest, "sample": sample.SampleRequest}
-    return requests[args.command_name].from_args(args)
-
-
 def _rank_prefix() -> str:
     rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID")
     return f"[rank {rank}] " if rank not in (None, "0") else ""

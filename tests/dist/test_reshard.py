@@ -89,7 +89,7 @@ def test_export_consolidates_a_sharded_checkpoint_into_one_file_a_plain_module_l
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from hpctrain.train.entry import resolve
+    from hpctrain.resolution import resolve_config as resolve
 
     run_dir = tmp_path / "run"
     train(run_dir, 2, "fsdp", "train.max_steps=6", "model.norm=batch")  # batch norm: 0-dim buffers to carry

@@ -8,7 +8,7 @@ from torch import nn
 from hpctrain.config.load import ConfigError
 from hpctrain.data.sampler import EvalBatchSampler
 from hpctrain.experiments.base import default_fsdp_blocks
-from hpctrain.train.entry import resolve
+from hpctrain.resolution import resolve_config as resolve
 
 
 @pytest.mark.parametrize("override, key", [("dist.grad_compression=bf16", "dist.grad_compression"),
