@@ -1,0 +1,57 @@
+"""The module paths that job scripts call still run: a requeued job re-runs the script rendered into its run dir,
+whatever version of hpctrain rendered it, so each path stays after its code moves (issue 39 moved all three)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import kill_tree
+
+# torchrun's and srun's variables from the environment pytest runs in would make each program a rank of another launch
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                    "TORCHELASTIC_RUN_ID", "HPCTRAIN_MONITOR_DIR")
+
+
+def _run(module: str, args: list[str], env: dict[str, str] | None = None, timeout: float = 180):
+    """``python -m MODULE ARGS`` in a session of its own, killed with its workers if it hangs."""
+    full_env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES and not k.startswith("SLURM_")}
+    full_env.update({"PYTHONUNBUFFERED": "1", **(env or {})})
+    proc = subprocess.Popen([sys.executable, "-m", module, *args], env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, err = proc.communicate(timeout=30)
+        pytest.fail(f"python -m {module} {' '.join(args)} hung for {timeout} s\n{out}\n{err}")
+    return proc.returncode, out, err
+
+
+def test_python_m_hpctrain_launch_runs_hpctrain_on_its_workers():
+    """Every rendered torchrun job script: ``python -u -m hpctrain.launch [torchrun's arguments] -m hpctrain ...``."""
+    code, out, err = _run("hpctrain.launch", ["--standalone", "--nproc-per-node=1", "-m", "hpctrain", "experiments"])
+    assert code == 0 and "digits" in out, err
+
+
+def test_python_m_hpctrain_dist_torchrun_main_is_still_the_launcher():
+    """Scripts rendered before the launcher moved to hpctrain.launch call this path."""
+    code, out, err = _run("hpctrain.dist.torchrun_main", ["--help"])
+    assert code == 0 and "--nproc-per-node" in out.replace("_", "-") and "--signals-to-handle" in out, err
+
+
+def test_python_m_hpctrain_slurm_task_runs_hpctrain_with_the_node_monitors(tmp_path: Path):
+    """``slurm.launcher=srun`` scripts: each task runs ``python -u -m hpctrain.slurm.task ARGS``; here the one task
+    of a one-task step, which is its node's first and so runs the node monitors around the command."""
+    srun = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_STEP_NUM_TASKS": "1",
+            "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NODELIST": "localhost", "SLURM_STEP_TASKS_PER_NODE": "1",
+            "HPCTRAIN_MONITOR_DIR": str(tmp_path), "HPCTRAIN_MONITOR_EVERY": "1"}
+    code, out, err = _run("hpctrain.slurm.task", ["experiments"], env=srun)
+    assert code == 0 and "digits" in out, err
+    if shutil.which("top") is not None:
+        assert list(tmp_path.glob("top_*.log")), "the node's first task started no monitor"
