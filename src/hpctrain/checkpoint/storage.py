@@ -1,26 +1,17 @@
 """On-disk checkpoint format: torch.distributed.checkpoint (DCP) inside hpctrain's integrity layer.
 
     RUN_DIR/checkpoints/
-        step_00000120/           one directory per save
-            dcp/                 torch.distributed.checkpoint: .metadata (rank 0) and __R_N.distcp (each rank
-                                 its own part: its shards under FSDP and ZeRO, a share of the replicated tensors
-                                 under DDP); model, optimizer and EMA tensors by their parameter names
-            train.pt             scheduler, loss scaler, EMA count, the experiment's state (rank 0; torch.save)
-            rng.pt               every rank's random streams, in rank order (rank 0 gathers them)
-            state.json           step, epoch, data position and its global batch, world size, strategy
-            config.toml          the resolved config of the run that saved it
-            manifest.json        written last: schema, sizes and sha256 of every file above, each rank
-                                 hashing the files it wrote
-        latest                   name of the newest complete checkpoint, written after it
+        step_00000120/  dcp/ (DCP: .metadata and each rank's __R_N.distcp, tensors by parameter name), train.pt
+                        (scheduler, scaler, EMA count, experiment state), rng.pt (every rank's streams), state.json
+                        (step, epoch, data position, world size, strategy), config.toml, manifest.json (written
+                        last: schema, sizes and sha256 of every file, each rank hashing the files it wrote)
+        latest          name of the newest complete checkpoint, written after it
 
-A save is written into a hidden temporary directory and renamed into place only
-after every rank's files and the manifest are on disk, then ``latest`` is replaced
-atomically. A checkpoint is valid only if its manifest exists and every file has
-the recorded size and checksum, so a crash, a full disk or a truncated copy is
-detected on load and the previous checkpoint is used instead.
-
-Schema 1 (hpctrain before DCP: model.pt, optim.pt, ema.pt written by rank 0) is not read: its optimizer
-state is keyed by parameter position, not name, so it cannot be resharded; see OLD_FORMAT_HINT.
+A save is written into a hidden temporary directory and renamed into place only after every rank's files and the
+manifest are on disk, then ``latest`` is replaced atomically. A checkpoint is valid only if its manifest exists and
+every file has the recorded size and checksum, so a crash, a full disk or a truncated copy is detected on load and
+the previous checkpoint is used instead. Schema 1 (before DCP: optimizer state keyed by parameter position, so it
+cannot be resharded) is not read; see OLD_FORMAT_HINT.
 """
 
 from __future__ import annotations

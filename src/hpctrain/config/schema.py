@@ -165,7 +165,7 @@ class DataSection:
     loader."""
     worker_start: Literal["forkserver", "spawn", "fork"] = "forkserver"
     """How loader workers start. fork copies a process that has threads (watchdog, process group), and a
-    child can deadlock in CPython's after-fork handler (it has happened in this project's tests); forkserver
+    child can deadlock in CPython's after-fork handler (seen in this project); forkserver
     forks from a clean single-threaded server. fork starts faster but is unsafe here. The dataset must be
     picklable."""
 

@@ -1,18 +1,15 @@
 """Batch samplers with exact distributed semantics.
 
-Training (:class:`StepBatchSampler`): the epoch's global order is a permutation
-drawn from (seed, epoch) alone. Optimizer step k takes the k-th slice of
-``global_batch_size`` samples of it; rank r takes the r-th contiguous part of that
-slice and cuts it into ``grad_accum`` micro-batches. So the *set* of samples in
-each step depends only on (seed, epoch, k, global batch), not on the number of
-processes or accumulation steps, and the position in an epoch is one number
-(steps done) that survives a change of world size. The last partial global batch
-is dropped. torch's DistributedSampler pads and shards per rank before batching,
-so its steps change with the world size; that is why this is written here.
+Training (:class:`StepBatchSampler`): the epoch's global order is a permutation drawn from (seed, epoch) alone.
+Optimizer step k takes the k-th slice of ``global_batch_size`` samples of it; rank r takes the r-th contiguous part
+of that slice and cuts it into ``grad_accum`` micro-batches. So the *set* of samples in each step depends only on
+(seed, epoch, k, global batch), not on the number of processes or accumulation steps, and the position in an epoch
+is one number (steps done) that survives a change of world size. The last partial global batch is dropped. torch's
+DistributedSampler pads and shards per rank before batching, so its steps change with the world size; that is why
+this is written here.
 
-Validation (:class:`EvalBatchSampler`): the set is cut into chunks of one
-micro-batch, chunk c goes to rank c mod world. No sample is padded, repeated or
-dropped, and each batch has the same members whatever the world size, so
+Validation (:class:`EvalBatchSampler`): the set is cut into chunks of one micro-batch, chunk c goes to rank c mod
+world. No sample is padded, repeated or dropped, and each batch has the same members whatever the world size, so
 per-sample results, and the all-reduced sums built from them, do not depend on it.
 """
 

@@ -2,22 +2,13 @@
 
 The exact order (:func:`hpctrain.data.shardset.shard_epoch_order`) makes the samples of step k independent of the
 number of processes; its price is that every node reads (nearly) the whole data set every epoch. This order is
-WebDataset's instead, made deterministic and resumable:
-
-1. The epoch's shards are permuted from (seed, epoch) and dealt to the ranks one by one, each to the rank that holds
-   the fewest samples so far (with equal shards: round robin).
-2. Each rank's stream is its shards concatenated, shuffled within windows of ``window`` samples (the shuffle buffer),
-   from (seed, epoch, rank).
-3. Equal step counts. Every rank takes ``steps x per_rank`` samples, steps = samples // global batch (the partial
-   last global batch is dropped, as in the exact order). A rank holding more hands the end of its stream to ranks
-   holding fewer, which append it to theirs: with equal shards that is at most one shard's samples per rank, read
-   from another rank's shard at the end of the epoch. So no rank waits at the end of an epoch, and every sample
-   (but the dropped remainder) is seen once per epoch across the ranks.
+WebDataset's instead, made deterministic and resumable (shard_local_order says how): the epoch's shards dealt to
+the ranks, each rank's stream shuffled within windows, and equal step counts so no rank waits at an epoch's end.
 
 It is expressed as a global order for :class:`hpctrain.data.sampler.StepBatchSampler`: step k's slice holds rank 0's
 ``per_rank`` samples of step k, then rank 1's, and so on. The sampler, the position in an epoch (steps done) and the
 resume stay what they are; the order is a function of (seed, epoch, world size, per-rank batch), so it is exact at a
-fixed world size and changes with it (see :func:`world_size_change_warning`).
+fixed world size and changes with it (see :func:`data_order_warning`).
 """
 
 from __future__ import annotations
@@ -80,7 +71,16 @@ def window_shuffle(stream: torch.Tensor, window: int, g: torch.Generator) -> tor
 
 def shard_local_order(sizes: Sequence[int], seed: int, epoch: int, window: int, layout: RankLayout,
                       shuffle: bool = True) -> torch.Tensor:
-    """The epoch's global order (indices into the concatenated shards) under data.order=shard_local."""
+    """The epoch's global order (indices into the concatenated shards) under data.order=shard_local.
+
+    1. The epoch's shards are permuted from (seed, epoch) and dealt to the ranks one by one, each to the rank that
+    holds the fewest samples so far (with equal shards: round robin). 2. Each rank's stream is its shards
+    concatenated, shuffled within windows of ``window`` samples (the shuffle buffer), from (seed, epoch, rank). 3.
+    Equal step counts. Every rank takes ``steps x per_rank`` samples, steps = samples // global batch (the partial
+    last global batch is dropped, as in the exact order). A rank holding more hands the end of its stream to ranks
+    holding fewer, which append it to theirs: with equal shards that is at most one shard's samples per rank, read
+    from another rank's shard at the end of the epoch. So no rank waits at the end of an epoch, and every sample
+    (but the dropped remainder) is seen once per epoch across the ranks."""
     world, per_rank = layout
     starts = shard_starts(sizes)
     g = generator(SALT_SHARD_LOCAL, DEAL, seed, epoch) if shuffle else None

@@ -1,22 +1,15 @@
 """WebDataset-format tar shards: writing them, and the index that makes them randomly addressable.
 
-A shard is a plain POSIX tar whose members are named ``KEY.EXT`` (``000123.jpg``,
-``000123.cls``); the members of one sample are consecutive. That is the WebDataset
-convention, so the ``webdataset`` library reads these shards and hpctrain reads its.
+A shard is a plain POSIX tar whose members are named ``KEY.EXT`` (``000123.jpg``, ``000123.cls``); the members of
+one sample are consecutive. That is the WebDataset convention, so the ``webdataset`` library reads these shards and
+hpctrain reads its. Beside the shards of a split lie ``index.json`` (per shard, the sample keys and each member's
+byte offset and size: any rank reads any sample with one ``pread``, which makes exact, world-size independent
+batches possible, see :mod:`hpctrain.data.shardset`) and ``manifest.json`` (per shard, SHA-256, bytes and sample
+count, and how the set was made; written last: a split without it is incomplete).
 
-Beside the shards of a split lie two files:
-
-- ``index.json``: per shard, the sample keys and, per extension, each member's byte
-  offset and size in the tar. It lets any rank read any sample with one ``pread``
-  in a large block of a shard it keeps open, which is what makes exact, world-size
-  independent batches possible (see :mod:`hpctrain.data.shardset`).
-- ``manifest.json``: per shard, the SHA-256, bytes and sample count; plus how the set
-  was made. Written last: a split without it is incomplete.
-
-Written with the standard library's ``tarfile`` rather than ``webdataset.ShardWriter``
-because the writer must also be atomic per shard (a temporary name, then rename), make
-byte-identical shards from identical input (fixed mtime/owner), and record offsets and
-checksums in the same pass. Shards from other writers are indexed by
+Written with the standard library's ``tarfile`` rather than ``webdataset.ShardWriter`` because the writer must also
+be atomic per shard (a temporary name, then rename), make byte-identical shards from identical input (fixed
+mtime/owner), and record offsets and checksums in the same pass. Shards from other writers are indexed by
 :func:`index_tar`, which reads only the tar headers.
 """
 

@@ -1,27 +1,16 @@
 """A training set read from WebDataset-format shards, with the foundation's exact semantics.
 
-The usual way to stream shards in DDP (``webdataset``, torchdata) gives each rank and
-worker its own shards. Then the samples of a step depend on the number of ranks and
-workers, a rank with no shard hangs at the end of an epoch, and a resume changes the
-stream. hpctrain keeps its one rule instead: the epoch's global order is a function of
-(seed, epoch) alone, step k takes the k-th slice of it, rank r its part of the slice
-(:mod:`hpctrain.data.sampler`). Shards make that affordable in two ways:
+The usual way to stream shards in DDP (``webdataset``, torchdata) gives each rank and worker its own shards. Then
+the samples of a step depend on the number of ranks and workers, a rank with no shard hangs at the end of an epoch,
+and a resume changes the stream. hpctrain keeps its one rule instead: the epoch's global order is a function of
+(seed, epoch) alone, step k takes the k-th slice of it, rank r its part of the slice (:mod:`hpctrain.data.sampler`).
+Shards make that affordable in two ways: a local order (:func:`shard_epoch_order`: the samples of any step lie in
+one or two windows of a few MB, instead of anywhere in the data set) and block reads (:class:`BlockReader`: each
+process opens each shard once and reads it forward in large blocks; no small-file metadata storm).
 
-1. **A local order** (:func:`shard_epoch_order`): the shards are permuted per epoch and
-   concatenated, and the samples are shuffled within windows of ``window`` consecutive
-   samples of that stream (window boundaries move every epoch, and a window spans shard
-   boundaries). So the samples of any step lie in one or two windows, a few MB of
-   one or two shards, instead of anywhere in the data set. This is WebDataset's
-   shuffle buffer made deterministic: the same window shuffles the same way for any
-   number of ranks and workers, and a resume needs only the step number.
-2. **Block reads** (:class:`BlockReader`): a sample's bytes are located with the index and
-   read through a per-process cache of large aligned blocks of the open shard files.
-   Each process opens each shard once and reads it forward in blocks of
-   ``block_bytes``; the small-file metadata storm of one file per sample disappears.
-   The price, written down in docs/data.md: every loader process reads the blocks of
-   the windows it touches, so a node reads the whole data set per epoch (the page
-   cache serves the node's other processes), where rank-sharded streaming reads
-   1/nodes of it. Exactness costs bandwidth, not metadata operations.
+The price, written down in docs/data.md: every loader process reads the blocks of the windows it touches, so a node
+reads the whole data set per epoch (the page cache serves the node's other processes), where rank-sharded streaming
+reads 1/nodes of it. Exactness costs bandwidth, not metadata operations.
 """
 
 from __future__ import annotations
@@ -63,7 +52,13 @@ class DataError(UserError):
 
 
 def shard_epoch_order(sizes: Sequence[int], seed: int, epoch: int, window: int, shuffle: bool = True) -> torch.Tensor:
-    """The epoch's global sample order (indices into the concatenated shards)."""
+    """The epoch's global sample order (indices into the concatenated shards).
+
+    The shards are permuted per epoch and concatenated, and the samples are shuffled within windows of ``window``
+    consecutive samples of that stream (window boundaries move every epoch, and a window spans shard boundaries). So
+    the samples of any step lie in one or two windows, a few MB of one or two shards, instead of anywhere in the
+    data set. This is WebDataset's shuffle buffer made deterministic: the same window shuffles the same way for any
+    number of ranks and workers, and a resume needs only the step number."""
     total = int(sum(sizes))
     if not shuffle:
         return torch.arange(total)
@@ -76,7 +71,11 @@ class BlockReader:
     """Reads byte ranges of shard files through an LRU cache of aligned blocks.
 
     Not shared between processes: each loader worker builds its own on first use (the
-    dataset is pickled into workers without open files)."""
+    dataset is pickled into workers without open files).
+
+    A sample's bytes are located with the index and read through a per-process cache of large aligned blocks of the
+    open shard files. Each process opens each shard once and reads it forward in blocks of ``block_bytes``; the
+    small-file metadata storm of one file per sample disappears."""
 
     def __init__(self, paths: Sequence[Path], block_bytes: int, cache_bytes: int) -> None:
         self.paths = list(paths)

@@ -1,20 +1,11 @@
 """Node-local staging (``data.stage_dir``): a split's shards are copied once per node, then read locally.
 
 Without it a node reads up to the whole split from the shared filesystem each epoch (docs/data.md, "Data at cluster
-scale": the exact order costs about min(nodes, 1 + block / sample size) x the split per epoch), competing with every other
-job; a node-local disk ($TMPDIR, an NVMe) serves the same reads after one sequential copy per node. The copy is made so that nothing half-done is ever read:
-
-- **One copier per node.** The node's processes take a lock (``flock``) in the staged folder; the first copies,
-  the others wait in ``flock`` and then find the work done. The kernel releases the lock of a process that dies,
-  so the next waiter resumes instead of hanging. Nodes copy independently.
-- **Layout.** ``STAGE_DIR/hpctrain-stage/<parent>-<split>-<hash of its path>/<hash of its manifest>/``: two sets never
-  share a folder, and a rewritten set (new manifest) is a new folder, never mixed with the old copy.
-- **Verified, resumable.** Each shard is copied under a temporary name, hashed while copied, checked against the
-  manifest's SHA-256 and size, fsynced, and renamed to its name: a shard under its final name was verified when
-  it got it, so a resumed or requeued copy reuses it after a ``stat`` of its size. index.json, then manifest.json
-  come last; the manifest's presence marks a complete copy (as in the shard writer), which later processes and
-  later jobs on the node accept without the lock.
-- **No half-filled disk.** The free space is checked (statvfs) before anything is copied.
+scale"), competing with every other job; a node-local disk ($TMPDIR, an NVMe) serves the same reads after one
+sequential copy per node. The copy is made so that nothing half-done is ever read (stage_split says how): one
+copier per node under a lock the kernel releases if it dies, a folder per set and manifest, each shard verified
+against the manifest before it gets its name (so a requeued copy resumes), the manifest last, and the free space
+checked before anything is copied.
 """
 
 from __future__ import annotations
@@ -55,7 +46,20 @@ PROGRESS_EVERY_S = 10.0
 
 def stage_split(split_dir: Path, stage_dir: str) -> Path:
     """The staged copy of ``split_dir`` under ``stage_dir`` (expanded here, on the node that reads it), copied
-    first where it is missing or incomplete. ``split_dir`` must be a complete split (shardset.index_path)."""
+    first where it is missing or incomplete. ``split_dir`` must be a complete split (shardset.index_path).
+
+    How. The exact order costs about min(nodes, 1 + block / sample size) x the split per epoch from the shared file
+    system. One copier per node: the node's processes take a lock (``flock``) in the staged folder; the first
+    copies, the others wait in ``flock`` and then find the work done. The kernel releases the lock of a process that
+    dies, so the next waiter resumes instead of hanging. Nodes copy independently. Layout:
+    ``STAGE_DIR/hpctrain-stage/<parent>-<split>-<hash of its path>/<hash of its manifest>/``: two sets never share a
+    folder, and a rewritten set (new manifest) is a new folder, never mixed with the old copy. Verified, resumable:
+    each shard is copied under a temporary name, hashed while copied, checked against the manifest's SHA-256 and
+    size, fsynced, and renamed to its name: a shard under its final name was verified when it got it, so a resumed
+    or requeued copy reuses it after a ``stat`` of its size. index.json, then manifest.json come last; the
+    manifest's presence marks a complete copy (as in the shard writer), which later processes and later jobs on the
+    node accept without the lock. No half-filled disk: the free space is checked (statvfs) before anything is
+    copied."""
     root = stage_root(stage_dir)
     source = split_dir.resolve()
     manifest_bytes = (source / MANIFEST).read_bytes()

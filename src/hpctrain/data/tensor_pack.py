@@ -1,29 +1,17 @@
 """A data set of many tensors, sent to loader workers as one shared-memory block.
 
-torch pickles each tensor storage that a worker's data set holds as a shared-memory file descriptor of its own
-(torch.multiprocessing's default file_descriptor strategy), and a worker receives its data set when it starts.
-forkserver passes all of a start's descriptors in one message, which multiprocessing limits to 256, its own 4
-included (`ValueError: too many fds`; a higher RLIMIT_NOFILE does not change that); spawn passes them all too, and
-each stays open in the rank and in every worker. A data set of
-variable-length samples (speech: a list of thousands of 1-D tensors) has one storage per sample. Packed, its
-storages travel as one block, one descriptor, and each tensor is rebuilt in the worker as a view into it.
+torch pickles each tensor storage that a worker's data set holds as a shared-memory file descriptor of its own, and
+a worker receives its data set when it starts. forkserver passes all of a start's descriptors in one message, which
+multiprocessing limits to 256 (`ValueError: too many fds`; a higher RLIMIT_NOFILE does not change that); spawn
+passes them all too, and each stays open in the rank and in every worker. A data set of variable-length samples
+(speech: thousands of 1-D tensors) has one storage per sample. Packed, its storages travel as one block, one
+descriptor, and each tensor is rebuilt in the worker as a view into it.
 
 Every worker start pickles the data set again (pack() is called from the start's own pickling), so each worker gets
-the data set as it is then, and whatever the pickle holds besides the packed tensors (a parameter, a tensor that
-needs gradients: torch sends each as a descriptor of this start) is valid for that start only and never reused.
-
-The block is made once: the rank's own tensors become views into it, as torch's own sharing moves a storage into
-shared memory in place. One copy of the data stays in memory (shared by the rank and its workers), a later start
-finds the tensors in one storage and sends it as it is (no copy), and a tensor changed in place in the rank is
-changed for the workers too. A tensor outside the data set that shared a storage with one inside keeps the old
-storage: a change through it no longer reaches the data set.
-
-Measured (2-core VM under a load of about 4.6; 2 forkserver workers; 1-D float tensors of 100..2000 values; first
-batch after iter()): 3,000 tensors 4.7 s packed, 5.2 s with torch's file_system strategy; 30,000 tensors 10.8 s
-packed, 43.3 s with file_system, which also makes one file in /dev/shm and one memory mapping per tensor in the rank
-and in each worker (at 70,000 a worker passed vm.max_map_count and failed; packed, 100,000 worked). The cost of
-packing: a copy of the tensors' bytes into the block at the first start, and about 0.1 ms per tensor to pack (in the
-rank) and to rebuild (in each worker) under that load."""
+the data set as it is then. The block is made once: the rank's own tensors become views into it, so one copy of the
+data stays in memory and a tensor changed in place in the rank is changed for the workers too (pack says more).
+Measurements against torch's file_system strategy: BENCHMARKS.md, "Moved from module docstrings (issue 39)".
+"""
 
 from __future__ import annotations
 
@@ -84,7 +72,15 @@ def pack(obj: Any) -> Packed:
     other objects are pickled as multiprocessing would there, some as descriptors of that start.
 
     At most PACK_ABOVE storages are sent as they are (torch's reduction moves each into shared memory in place when
-    the result is pickled); more are copied into one new block, and each of those tensors is made a view into it."""
+    the result is pickled); more are copied into one new block, and each of those tensors is made a view into it.
+
+    Whatever the pickle holds besides the packed tensors (a parameter, a tensor that needs gradients: torch sends
+    each as a descriptor of this start) is valid for that start only and never reused. The rank's tensors become
+    views into the block as torch's own sharing moves a storage into shared memory in place; a later start finds the
+    tensors in one storage and sends it as it is (no copy). A tensor outside the data set that shared a storage with
+    one inside keeps the old storage: a change through it no longer reaches the data set. The cost: a copy of the
+    tensors' bytes into the block at the first start, and a small time per tensor to pack (in the rank) and to
+    rebuild (in each worker)."""
     buffer = io.BytesIO()
     packer = _Packer(buffer, pickle.HIGHEST_PROTOCOL)
     packer.dump(obj)

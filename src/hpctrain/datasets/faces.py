@@ -5,30 +5,10 @@
     CelebA-HQ-to-CelebA-mapping.txt, list_eval_partition.txt  (standard_split) 80/10/10 train/val/test
 
 so everything that reads the release (:mod:`hpctrain.datasets.sources.celebamask`, ``hpctrain shard --format
-celebamask``, the faceseg experiment) reads it unchanged. The faces are drawn cartoons with all 18 parts
-(glasses, hats, earrings, necklaces, an open mouth only sometimes; hair short, long, voluminous or none),
-a random pose (rotation up to 20 degrees, scale, shift), random colours, a cluttered background, light
-falloff, blur and noise: a small network must localise and use context, yet the parts have the contrast
-to be learnt (white sclera and a dark iris, brows darker than the skin, reddish lips, a shaded nose).
-
-Geometry. Every part is an implicit shape in face units (x to the image's right, y down, origin between
-eyes and nose, face half-width about 1), evaluated at the pixel centres of each raster through the pose,
-so the image (at ``size``) and the masks (at ``mask_size``) are rasterised from the same shapes, each at
-its own resolution. The masks are written so that the release's painting order (``celebamask.CLASSES``,
-a later part wins) gives the visible stack: parts that lie *behind* an earlier one are cut by it
-(ears and neck by the face, the neck by the necklace and earrings). The image is coloured from that
-painted label map, so a pixel looks like the part it is labelled with; details (iris, pupil, lashes,
-nostrils, teeth, hair streaks, glasses frames) only vary the colour inside their part.
-
-Left and right. The release does not define its sides in writing; we read them from the viewer's point
-of view, as annotators working on the picture name them and as the common 68-point landmark scheme does:
-``l_eye`` is the eye on the image's left (the person's right eye). ``LEFT`` holds that choice in one
-place: the l_* parts lie at x < 0 in face units, so in an upright face l_eye, l_brow and l_ear have a
-smaller column than r_eye, r_brow, r_ear (should the real labels prove the other way, set LEFT = 1.0;
-the tests follow it). Every random choice is mirror-symmetric in distribution (hair parting, a single
-earring's side, gaze, tilt, pose), so a horizontal flip with ``celebamask.flip_permutation()`` turns a
-face and its labels into another face of the same set with exactly the labels this generator gives that
-face (``mirror_face``). Either reading trains the same network; only the names of classes 4-9 swap.
+celebamask``, the faceseg experiment) reads it unchanged. The faces are drawn cartoons with all 18 parts, a random
+pose, colours, clutter, light falloff, blur and noise: a small network must localise and use context, yet the parts
+have the contrast to be learnt. How they are drawn: draw_face (geometry and painting order), LEFT and mirror_face
+(which side is "left").
 
 Image ``i`` depends only on ``(seed, i)`` (``np.random.default_rng([seed, i])``): a set can be written in
 parts (``start_id``) and the same seed gives byte-identical files.
@@ -67,7 +47,12 @@ def make_faces(root: Path, count: int, size: int = 256, mask_size: int = 128, se
                standard_split: bool = True, start_id: int = 0) -> Path:
     """Write faces ``start_id .. start_id + count - 1`` under ``root`` in the CelebAMask-HQ layout; with
     ``standard_split`` also the split files, covering every ``<id>.jpg`` then in ``root`` (so a set written
-    in parts gets them right from its last part)."""
+    in parts gets them right from its last part).
+
+    The faces: glasses, hats, earrings, necklaces, an open mouth only sometimes; hair short, long, voluminous or
+    none; a random pose (rotation up to 20 degrees, scale, shift), random colours, a cluttered background, light
+    falloff, blur and noise. The parts have the contrast to be learnt: white sclera and a dark iris, brows darker
+    than the skin, reddish lips, a shaded nose."""
     _check_arguments(count, size, mask_size, start_id)
     (root / celebamask.IMAGES).mkdir(parents=True, exist_ok=True)
     for image_id in range(start_id, start_id + count):
@@ -108,7 +93,16 @@ def _write_face(root: Path, image_id: int, size: int, mask_size: int, seed: int)
 
 
 def draw_face(rng: np.random.Generator, size: int, mask_size: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """One face: the size x size x 3 uint8 image and the present parts' boolean masks at mask_size."""
+    """One face: the size x size x 3 uint8 image and the present parts' boolean masks at mask_size.
+
+    Geometry. Every part is an implicit shape in face units (x to the image's right, y down, origin between eyes and
+    nose, face half-width about 1), evaluated at the pixel centres of each raster through the pose, so the image (at
+    ``size``) and the masks (at ``mask_size``) are rasterised from the same shapes, each at its own resolution. The
+    masks are written so that the release's painting order (``celebamask.CLASSES``, a later part wins) gives the
+    visible stack: parts that lie *behind* an earlier one are cut by it (ears and neck by the face, the neck by the
+    necklace and earrings). The image is coloured from that painted label map, so a pixel looks like the part it is
+    labelled with; details (iris, pupil, lashes, nostrils, teeth, hair streaks, glasses frames) only vary the colour
+    inside their part."""
     f = sample_face(rng)
     X, Y = face_grid(f, size)
     labels, vis = paint(part_masks(f, X, Y))
@@ -220,7 +214,17 @@ def sample_colours(rng: np.random.Generator, f: dict) -> dict:
 
 def mirror_face(f: dict) -> dict:
     """The parameters of ``f``'s mirror image, for its shapes (what the masks show): the face flipped left to
-    right is another face this generator draws, with every side-bound choice on the other side."""
+    right is another face this generator draws, with every side-bound choice on the other side.
+
+    Left and right. The release does not define its sides in writing; we read them from the viewer's point of view,
+    as annotators working on the picture name them and as the common 68-point landmark scheme does: ``l_eye`` is the
+    eye on the image's left (the person's right eye). ``LEFT`` holds that choice in one place: the l_* parts lie at
+    x < 0 in face units, so in an upright face l_eye, l_brow and l_ear have a smaller column than r_eye, r_brow,
+    r_ear (should the real labels prove the other way, set LEFT = 1.0; the tests follow it). Every random choice is
+    mirror-symmetric in distribution (hair parting, a single earring's side, gaze, tilt, pose), so a horizontal flip
+    with ``celebamask.flip_permutation()`` turns a face and its labels into another face of the same set with
+    exactly the labels this generator gives that face. Either reading trains the same network; only the names of
+    classes 4-9 swap."""
     g = dict(f, rotation=-f["rotation"], shift=(-f["shift"][0], f["shift"][1]), gaze=(-f["gaze"][0], f["gaze"][1]),
              parting=-f["parting"], fringe_phase=math.pi - f["fringe_phase"], nose_dark_side=-f["nose_dark_side"])
     g["earrings"] = sorted(-side for side in f["earrings"])

@@ -2,18 +2,14 @@
 
 Three launch modes are recognised, most specific first:
 
-- ``torchrun`` (``python -m torch.distributed.run``): RANK, LOCAL_RANK, WORLD_SIZE,
-  LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT. It wins even inside a Slurm
-  job, where srun's SLURM_* variables describe the one launcher task per node, not
-  the workers.
-- ``srun`` one task per GPU: SLURM_PROCID / SLURM_LOCALID / SLURM_STEP_NUM_TASKS,
-  master = first host of the step's node list. We require the *step* variables that
-  only srun sets: the batch script itself also has SLURM_PROCID=0 and SLURM_NTASKS,
-  and treating it as rank 0 of NTASKS would wait forever for ranks that never come.
+- ``torchrun``: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT. It wins even
+  inside a Slurm job, where srun's SLURM_* variables describe the one launcher task per node, not the workers.
+- ``srun`` one task per GPU: SLURM_PROCID / SLURM_LOCALID / SLURM_STEP_NUM_TASKS, master = first host of the step's
+  node list. We require the *step* variables that only srun sets: the batch script itself also has SLURM_PROCID=0
+  and SLURM_NTASKS, and treating it as rank 0 of NTASKS would wait forever for ranks that never come.
 - ``single``: one plain process.
 
-Like submitit, each variable maps to a named field through a table, so what we read
-is listed in one place.
+Like submitit, each variable maps to a named field through a table, so what we read is listed in one place.
 """
 
 from __future__ import annotations

@@ -1,29 +1,14 @@
 """Heartbeats and the hang watchdog.
 
-The training thread only sets a few attributes when it enters a phase (data,
-forward, backward, optimizer, sync, eval, checkpoint): no I/O on the hot path. A
-daemon thread per rank writes them to RUN_DIR/heartbeat/rank_N.json every few
-seconds and watches for a rank that has not changed phase for longer than
-fault.hang_timeout_s. Then it reports, before the collective timeout ends the
-job: this rank's phase, step, host, pid and its main thread's Python stack
-(heartbeat/stuck_rank_N.txt); and on rank 0 a table of all ranks from their
-heartbeat files, oldest progress first: in a hang, the rank that stopped first is
-usually the culprit, and the others wait for it in a collective.
+The training thread only sets a few attributes when it enters a phase (data, forward, backward, optimizer, sync,
+eval, checkpoint): no I/O on the hot path. A daemon thread per rank (Watchdog) writes them to
+RUN_DIR/heartbeat/rank_N.json every few seconds and reports a rank that has not changed phase for longer than
+fault.hang_timeout_s, before the collective timeout ends the job: its phase, step, host, pid and Python stack, and
+on rank 0 a table of all ranks, oldest progress first (in a hang, the rank that stopped first is usually the
+culprit; the others wait for it in a collective).
 
-Two kinds of stuck rank are told apart. Alive but stuck (waiting in a collective, a
-sleeping or blocked call): its watchdog thread still writes the file, so the phase
-in it is current. Frozen or stopped (SIGSTOP, a debugger, a C call that holds the
-interpreter lock): the file itself is no longer written, so its phase is only the
-last one seen, and the report says so. For that case each rank arms
-faulthandler.dump_traceback_later, re-armed by every beat: it runs in a C thread
-that needs no interpreter lock, and when the beats stop it writes every thread's
-stack to heartbeat/frozen_rank_N.txt.
-
-Phases that are slow by nature get fault.slow_phase_timeout_s instead of
-fault.hang_timeout_s: a checkpoint save, and the first time a process enters any
-phase (the first forward may be torch.compile, the first step NCCL set-up and
-autotuning, the first data the loader workers' start, the first validation batch a
-recompile). Validation marks every batch, so a long but moving validation is progress.
+A rank alive but stuck (in a collective, a blocked call) and a frozen one (SIGSTOP, a C call holding the
+interpreter lock) are told apart, and phases slow by nature get fault.slow_phase_timeout_s: Watchdog says how.
 """
 
 from __future__ import annotations
@@ -168,6 +153,17 @@ def _describe(b: dict) -> str:
 
 
 class Watchdog(threading.Thread):
+    """Two kinds of stuck rank are told apart. Alive but stuck (waiting in a collective, a sleeping or blocked call):
+    its watchdog thread still writes the file, so the phase in it is current; the report goes to
+    heartbeat/stuck_rank_N.txt. Frozen or stopped (SIGSTOP, a debugger, a C call that holds the interpreter lock):
+    the file itself is no longer written, so its phase is only the last one seen, and the report says so. For that
+    case each rank arms faulthandler.dump_traceback_later, re-armed by every beat: it runs in a C thread that needs
+    no interpreter lock, and when the beats stop it writes every thread's stack to heartbeat/frozen_rank_N.txt.
+
+    Phases that are slow by nature get fault.slow_phase_timeout_s instead of fault.hang_timeout_s: a checkpoint
+    save, and the first time a process enters any phase (the first forward may be torch.compile, the first step NCCL
+    set-up and autotuning, the first data the loader workers' start, the first validation batch a recompile).
+    Validation marks every batch, so a long but moving validation is progress."""
     def __init__(
         self, heartbeat: Heartbeat, directory: Path, every_s: float, hang_timeout_s: float,
         is_main: bool, on_hang: Callable[[list[dict]], None] | None = None, slow_timeout_s: float = 0.0,

@@ -2,34 +2,13 @@
 
 Run dirs live on shared file systems (NFS, Lustre) where flock is unreliable across nodes, so the lock is a file
 that appears atomically (a hard link of a complete temporary file: it never exists half-written) plus a rule that
-says when its holder is provably dead and the lock may be taken over:
+says when its holder is provably dead and the lock may be taken over (is_dead: its pid gone on this host, an
+earlier start of our own Slurm job, a job Slurm says has ended, or a heartbeat older than STALE_S elsewhere).
 
-- the holder ran on this host: dead when its pid is gone, or now belongs to another process (another start time,
-  or another boot);
-- the holder is an earlier start of our own Slurm job (same SLURM_JOB_ID, lower SLURM_RESTART_COUNT): a requeued
-  job takes over from itself at once, on whichever node it lands;
-- the holder ran in a Slurm job that Slurm says has ended (or no longer knows: "Invalid job id specified"): dead at
-  once, wherever it ran (a rank 0 SIGKILLed at the end of KillWait leaves a fresh heartbeat behind). A suspended job
-  is alive, however long it has been silent;
-- otherwise, the holder ran on another host: dead when its heartbeat (the lock file, rewritten every BEAT_S by a
-  thread of the holder) is older than STALE_S. Its age is the lock file's mtime against that of a probe file just
-  written beside it, so the judging host's own clock plays no part. On NFS both mtimes are the file server's clock;
-  Lustre (and GPFS) stamp a write with the writing client's clock, so there the skew between the holder's and the
-  judge's clocks adds to or takes from the age: NTP keeps it far below STALE_S, but a node whose clock runs minutes
-  ahead can keep its lock alive that much longer, or one that runs behind lose it that much sooner. A node that
-  crashed thus blocks its run dir for STALE_S (plus that skew) at most.
-
-A take-over replaces the file with os.replace under a second, short-lived guard file (run.lock.takeover), so two
-processes that both judge a holder dead cannot both win; the holder's heartbeat rewrites the file under the same
-guard, and a take-over gives up when the lock changed since it was judged (a beat in between: alive after all).
-
-A holder that was judged dead while alive (stopped with SIGSTOP, a mount that hung for minutes) finds at its next
-beat that the lock is no longer its own: the step vote (fault/vote.py) then stops every rank with an error, without
-a checkpoint; rank 0 checks the lock before each checkpoint, and again right before one is committed (renamed into
-place, ``latest`` moved), in the background writer too. A beat that stalled inside its rewrite for longer than
-GUARD_STALE_S (its guard then removed as stale by a taker) may have put its old lock back over a take-over: it finds
-its guard gone after the rewrite and counts the lock as lost (the taker, whose lock it overwrote, stops at its own
-next beat: both stop, neither writes on).
+A take-over replaces the file under a second, short-lived guard file (run.lock.takeover), so two processes that
+both judge a holder dead cannot both win. A holder that was judged dead while alive (stopped with SIGSTOP, a mount
+that hung for minutes) finds at its next beat that the lock is no longer its own, and every rank stops with an
+error, without a checkpoint (RunLock says how).
 """
 
 from __future__ import annotations
@@ -125,7 +104,21 @@ def _pid_alive(pid: int) -> bool:
 
 def is_dead(holder: Owner, me: Owner, path: Path | None = None) -> bool:
     """The liveness rule (see the module's docstring): True only when the holder is provably gone. ``path``: the
-    lock file the holder was read from, whose age (file-server time) judges a holder on another host."""
+    lock file the holder was read from, whose age (file-server time) judges a holder on another host.
+
+    The rule. The holder ran on this host: dead when its pid is gone, or now belongs to another process (another
+    start time, or another boot). The holder is an earlier start of our own Slurm job (same SLURM_JOB_ID, lower
+    SLURM_RESTART_COUNT): a requeued job takes over from itself at once, on whichever node it lands. The holder ran
+    in a Slurm job that Slurm says has ended (or no longer knows: "Invalid job id specified"): dead at once,
+    wherever it ran (a rank 0 SIGKILLed at the end of KillWait leaves a fresh heartbeat behind). A suspended job is
+    alive, however long it has been silent. Otherwise, the holder ran on another host: dead when its heartbeat (the
+    lock file, rewritten every BEAT_S by a thread of the holder) is older than STALE_S. Its age is the lock file's
+    mtime against that of a probe file just written beside it, so the judging host's own clock plays no part. On NFS
+    both mtimes are the file server's clock; Lustre (and GPFS) stamp a write with the writing client's clock, so
+    there the skew between the holder's and the judge's clocks adds to or takes from the age: NTP keeps it far below
+    STALE_S, but a node whose clock runs minutes ahead can keep its lock alive that much longer, or one that runs
+    behind lose it that much sooner. A node that crashed thus blocks its run dir for STALE_S (plus that skew) at
+    most."""
     if holder.host == me.host:
         if not _pid_alive(holder.pid):
             return True
@@ -217,7 +210,19 @@ def holder(run_dir: Path, me: Owner | None = None) -> str | None:
 
 class RunLock:
     """A held run dir lock: a thread rewrites its heartbeat until release(), and sets ``lost`` when it finds the lock
-    no longer its own (the training must then stop: the step vote reads it)."""
+    no longer its own (the training must then stop: the step vote reads it).
+
+    A take-over replaces the file with os.replace under a second, short-lived guard file (run.lock.takeover), so two
+    processes that both judge a holder dead cannot both win; the holder's heartbeat rewrites the file under the same
+    guard, and a take-over gives up when the lock changed since it was judged (a beat in between: alive after all).
+
+    A holder that was judged dead while alive finds at its next beat that the lock is no longer its own: the step
+    vote (fault/vote.py) then stops every rank with an error, without a checkpoint; rank 0 checks the lock before
+    each checkpoint, and again right before one is committed (renamed into place, ``latest`` moved), in the
+    background writer too. A beat that stalled inside its rewrite for longer than GUARD_STALE_S (its guard then
+    removed as stale by a taker) may have put its old lock back over a take-over: it finds its guard gone after the
+    rewrite and counts the lock as lost (the taker, whose lock it overwrote, stops at its own next beat: both stop,
+    neither writes on)."""
 
     def __init__(self, path: Path, owner: Owner) -> None:
         self.path = path

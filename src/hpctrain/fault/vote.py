@@ -1,26 +1,14 @@
 """The step-boundary vote: every rank contributes flags, all ranks act on the MAX together.
 
-A signal reaches one rank, or ranks at different moments; if only that rank
-stopped, the others would wait in the next collective until the timeout. So at
-every optimizer-step boundary each rank casts (stop signal number, checkpoint due, run dir lock lost)
-and all ranks act on the all-reduced MAX, at the same step. The lock is rank 0's (fault/run_lock.py): when its
-heartbeat thread finds it taken over, every rank stops with an error at the next boundary.
+A signal reaches one rank, or ranks at different moments; if only that rank stopped, the others would wait in the
+next collective until the timeout. So at every optimizer-step boundary each rank casts (stop signal number,
+checkpoint due, run dir lock lost) and all ranks act on the all-reduced MAX, at the same step. The lock is rank 0's
+(fault/run_lock.py): when its heartbeat thread finds it taken over, every rank stops with an error at the next
+boundary.
 
-The all-reduce is asynchronous: cast at boundary k, collected at boundary k+1,
-so its latency hides behind a step of compute instead of adding to every step.
-A stop therefore lands one step later than the signal, on every rank alike.
-
-Neither side of it may wait for the GPU to finish the step just queued: flags built from pageable host memory
-and read back with .tolist() right away (the first version) are a host-to-device copy that waits for the stream
-and a device synchronisation each step, so the host cannot queue step k+1 while the GPU runs step k.
-
-- NCCL: the flags go up from pinned memory (non-blocking), are reduced on the training group, come back into
-  pinned memory (non-blocking), and an event marks the copy. collect() waits for that event: the GPU has then
-  finished step k's work, while step k+1's is already queued. NCCL reduces 8 bytes in microseconds at any scale
-  (tree); its watchdog bounds the wait by dist.timeout_s.
-- gloo (CPU runs): CPU tensors on the training group, reduced in gloo's own threads; a peer that has not arrived
-  within dist.timeout_s is lost, as in any training collective. (Not on the control group: its longer timeout
-  would also be the time a rank that gave up on the vote waits for the pending reduction at teardown.)
+The all-reduce is asynchronous: cast at boundary k, collected at boundary k+1, so its latency hides behind a step
+of compute instead of adding to every step, and a stop lands one step later than the signal, on every rank alike.
+Neither side of it waits for the GPU to finish the step just queued (StepVote says how, on NCCL and on gloo).
 """
 
 from __future__ import annotations
@@ -48,6 +36,15 @@ NOTHING = Verdict(0, False)
 
 
 class StepVote:
+    """Flags built from pageable host memory and read back with .tolist() right away (the first version) are a
+    host-to-device copy that waits for the stream and a device synchronisation each step, so the host cannot queue
+    step k+1 while the GPU runs step k. Instead, on NCCL: the flags go up from pinned memory (non-blocking), are
+    reduced on the training group, come back into pinned memory (non-blocking), and an event marks the copy.
+    collect() waits for that event: the GPU has then finished step k's work, while step k+1's is already queued.
+    NCCL reduces 8 bytes in microseconds at any scale (tree); its watchdog bounds the wait by dist.timeout_s. On
+    gloo (CPU runs): CPU tensors on the training group, reduced in gloo's own threads; a peer that has not arrived
+    within dist.timeout_s is lost, as in any training collective. (Not on the control group: its longer timeout
+    would also be the time a rank that gave up on the vote waits for the pending reduction at teardown.)"""
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self._pending: tuple[torch.Tensor, object] | None = None

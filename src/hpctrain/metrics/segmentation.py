@@ -5,16 +5,9 @@ pixels; hpctrain sums the matrices over batches and ranks (one all-reduce of flo
 and every metric comes from the summed matrix. Averaging per-rank or per-batch IoUs instead gives a different,
 world-size-dependent number: an IoU is a ratio, and a mean of ratios is not the ratio of the sums.
 
-Conventions (those of the usual CelebAMask-HQ evaluation, e.g. face-parsing.PyTorch and the blog's run):
-
-- ``miou``: the mean over all classes, background included, of TP / (TP + FP + FN), pixels counted over the
-  whole validation set (not per image). ``miou_fg`` leaves background out.
-- A class that is absent from the ground truth *and* never predicted has no IoU (0/0): it is left out of the
-  mean (and has no iou/<class> entry). A class absent from the ground truth but predicted somewhere has IoU 0.
-- ``pixel_acc``: correctly labelled pixels / labelled pixels.
-- ``mean_f1``: the mean over foreground classes of the per-class F1 (Dice) = 2TP / (2TP + FP + FN), pooled over
-  the set, as FaRL and SegFace report it on CelebAMask-HQ; ``mean_f1_bg`` includes background.
-- Pixels whose label is ``ignore_index`` count nowhere.
+The conventions (miou with and without background, classes with no IoU, pixel accuracy, mean F1, the ignored
+label) are those of the usual CelebAMask-HQ evaluation (face-parsing.PyTorch, FaRL, SegFace); segmentation_metrics
+states them.
 """
 
 from __future__ import annotations
@@ -55,7 +48,16 @@ def per_class(cm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def segmentation_metrics(cm: torch.Tensor, class_names: Sequence[str], background: int = 0) -> dict[str, float]:
-    """miou, miou_fg, pixel_acc, mean_f1, mean_f1_bg and iou/<class> from a summed confusion matrix."""
+    """miou, miou_fg, pixel_acc, mean_f1, mean_f1_bg and iou/<class> from a summed confusion matrix.
+
+    ``miou``: the mean over all classes, background included, of TP / (TP + FP + FN), pixels counted over the whole
+    validation set (not per image). ``miou_fg`` leaves background out. A class that is absent from the ground truth
+    *and* never predicted has no IoU (0/0): it is left out of the mean (and has no iou/<class> entry). A class
+    absent from the ground truth but predicted somewhere has IoU 0. ``pixel_acc``: correctly labelled pixels /
+    labelled pixels. ``mean_f1``: the mean over foreground classes of the per-class F1 (Dice) = 2TP / (2TP + FP +
+    FN), pooled over the set, as FaRL and SegFace report it on CelebAMask-HQ; ``mean_f1_bg`` includes background.
+    Pixels whose label is ``ignore_index`` count nowhere. (These are the conventions of face-parsing.PyTorch and the
+    blog's run.)"""
     if cm.shape != (len(class_names), len(class_names)):
         raise ValueError(f"confusion matrix {tuple(cm.shape)} for {len(class_names)} classes")
     iou, f1 = per_class(cm)

@@ -1,38 +1,16 @@
 """The sbatch script, as a pure function of a :class:`JobSpec` (golden-tested).
 
-The pattern is the one of the HPC guides (one torchrun per node, MASTER_ADDR from the
-node list, c10d rendezvous), plus what they leave out and users get wrong:
+The pattern of the HPC guides (one torchrun per node, MASTER_ADDR from the node list, c10d rendezvous), plus what
+they leave out and users get wrong (render_script lists them, with the reasons): one failed node ends the job,
+srun gets --cpus-per-task itself, no node rank from the batch shell, a rendezvous port per job, the warning signal
+passed on to every task, and a requeued job that keeps its first log and its own config.
 
-- ``set -euo pipefail``; ``srun --kill-on-bad-exit=1`` so one failed node ends the job.
-- ``--cpus-per-task`` given to srun explicitly: since Slurm 22.05 srun no longer inherits
-  it from sbatch, and the loader workers would share one CPU.
-- No ``--node_rank=$SLURM_NODEID`` (expanded once, in the batch shell, it is 0 for every
-  node); the c10d rendezvous assigns ranks.
-- A rendezvous port derived from the job id, and ``--standalone`` on one node, so two jobs
-  on one node do not collide.
-- The preemption path of the fault-tolerance design: ``--signal=B:SIG@LEAD`` reaches the
-  batch shell, whose trap passes it to srun, which passes it to every task; the launcher
-  forwards it to the workers, which save, requeue and exit with fault.exit_code.
-- ``--open-mode=append`` so a requeued job keeps its first log; the resolved config is
-  embedded (a later edit of the TOML file cannot change a requeued run); the exact launch
-  command is saved in the run dir.
+Two launchers (slurm.launcher): ``torchrun`` (default), one task per node running ``hpctrain.launch``; ``srun``,
+one task per process running ``python -m hpctrain.slurm.task``. render_script says what each does on a failure.
 
-Two launchers (slurm.launcher):
-
-- ``torchrun`` (default): one task per node runs ``hpctrain.launch``, which starts the node's
-  processes, forwards signals to them, runs the node monitors, and maps a failure to the first failed worker's
-  exit code and one alert.
-- ``srun``: one task per process (``--ntasks-per-node=G`` in sbatch and srun, ``--cpus-per-task`` a G-th of the
-  node's CPUs), each running ``python -m hpctrain.slurm.task`` = ``python -m hpctrain`` (plus the node monitors
-  in each node's first task); hpctrain reads its rank from SLURM_PROCID/SLURM_LOCALID/SLURM_STEP_NUM_TASKS and
-  meets at MASTER_ADDR:MASTER_PORT (tcp://). srun and slurmstepd deliver the signals to every task themselves;
-  a failure ends the step through ``--kill-on-bad-exit`` with srun's exit code (the highest of the tasks'), and
-  each rank that fails with an error sends its own alert (one killed without a word, e.g. by the OOM killer,
-  sends none: there is no launcher to notice).
-
-Every user value is quoted: for the shell with :func:`shlex.quote`, and on ``#SBATCH``
-lines in sbatch's own double-quote syntax. Values cannot hold newlines (the config rejects
-control characters), so nothing can end a line early.
+Every user value is quoted: for the shell with :func:`shlex.quote`, and on ``#SBATCH`` lines in sbatch's own
+double-quote syntax. Values cannot hold newlines (the config rejects control characters), so nothing can end a
+line early.
 """
 
 from __future__ import annotations
@@ -138,7 +116,27 @@ def rendezvous_port(s: SlurmSection) -> str:
 
 
 def render_script(spec: JobSpec) -> str:
-    """The complete sbatch script."""
+    """The complete sbatch script.
+
+    What it adds to the guides' pattern: ``set -euo pipefail``; ``srun --kill-on-bad-exit=1`` so one failed node
+    ends the job. ``--cpus-per-task`` given to srun explicitly: since Slurm 22.05 srun no longer inherits it from
+    sbatch, and the loader workers would share one CPU. No ``--node_rank=$SLURM_NODEID`` (expanded once, in the
+    batch shell, it is 0 for every node); the c10d rendezvous assigns ranks. A rendezvous port derived from the job
+    id, and ``--standalone`` on one node, so two jobs on one node do not collide. The preemption path of the
+    fault-tolerance design: ``--signal=B:SIG@LEAD`` reaches the batch shell, whose trap passes it to srun, which
+    passes it to every task; the launcher forwards it to the workers, which save, requeue and exit with
+    fault.exit_code. ``--open-mode=append`` so a requeued job keeps its first log; the resolved config is embedded
+    (a later edit of the TOML file cannot change a requeued run); the exact launch command is saved in the run dir.
+
+    ``torchrun``: one task per node runs ``hpctrain.launch``, which starts the node's processes, forwards signals to
+    them, runs the node monitors, and maps a failure to the first failed worker's exit code and one alert. ``srun``:
+    one task per process (``--ntasks-per-node=G`` in sbatch and srun, ``--cpus-per-task`` a G-th of the node's
+    CPUs), each running ``python -m hpctrain.slurm.task`` = ``python -m hpctrain`` (plus the node monitors in each
+    node's first task); hpctrain reads its rank from SLURM_PROCID/SLURM_LOCALID/SLURM_STEP_NUM_TASKS and meets at
+    MASTER_ADDR:MASTER_PORT (tcp://). srun and slurmstepd deliver the signals to every task themselves; a failure
+    ends the step through ``--kill-on-bad-exit`` with srun's exit code (the highest of the tasks'), and each rank
+    that fails with an error sends its own alert (one killed without a word, e.g. by the OOM killer, sends none:
+    there is no launcher to notice)."""
     parts = [
         _header(spec),
         _sbatch_lines(spec),
