@@ -11,26 +11,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import kill_tree
-
 # torchrun's and srun's variables from the environment pytest runs in would make each program a rank of another launch
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                     "TORCHELASTIC_RUN_ID", "HPCTRAIN_MONITOR_DIR")
 
 
 def _run(module: str, args: list[str], env: dict[str, str] | None = None, timeout: float = 180):
-    """``python -m MODULE ARGS`` in a session of its own, killed with its workers if it hangs."""
+    """``python -m MODULE ARGS``: (exit code, stdout, stderr). On a hang it is killed, and its workers and monitors
+    with it (they die with their parent: dist/parent_death)."""
     full_env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES and not k.startswith("SLURM_")}
     full_env.update({"PYTHONUNBUFFERED": "1", **(env or {})})
-    proc = subprocess.Popen([sys.executable, "-m", module, *args], env=full_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        out, err = proc.communicate(timeout=30)
-        pytest.fail(f"python -m {module} {' '.join(args)} hung for {timeout} s\n{out}\n{err}")
-    return proc.returncode, out, err
+        done = subprocess.run([sys.executable, "-m", module, *args], env=full_env, capture_output=True, text=True,
+                              timeout=timeout, start_new_session=True)
+    except subprocess.TimeoutExpired as hung:
+        pytest.fail(f"python -m {module} {' '.join(args)} hung for {timeout} s\n{hung.stdout}\n{hung.stderr}")
+    return done.returncode, done.stdout, done.stderr
 
 
 def test_python_m_hpctrain_launch_runs_hpctrain_on_its_workers():
