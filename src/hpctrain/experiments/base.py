@@ -110,7 +110,8 @@ class Experiment(ABC):
     ranks its points."""
     graphable: ClassVar[bool] = True
     """Whether train_loss can run inside a captured CUDA graph (train.step_mode=graphed): no host synchronisation
-    (.item(), a data-dependent shape), no CPU tensors, per-sample draws through BatchInfo. False: auto runs eagerly."""
+    (.item(), a data-dependent shape), no CPU tensors, per-sample draws through BatchInfo. False: auto runs eagerly.
+    Read from the class: the step mode is chosen before the experiment is built (train/choices.py)."""
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
@@ -125,7 +126,9 @@ class Experiment(ABC):
 
     @abstractmethod
     def build_model(self) -> nn.Module:
-        """A fresh model on the CPU (hpctrain moves, compiles and wraps it)."""
+        """A fresh model on the CPU (hpctrain moves, compiles and wraps it). train.channels_last=auto inspects it on
+        the meta device before the experiment is built, on an instance that has only cfg and options (a build_model
+        that needs more of its class's own __init__ is called on a full instance, built for that only)."""
 
     def init_weights(self, model: nn.Module) -> str | None:
         """Load initial (pretrained) weights into the fresh model from build_model, on the CPU, before it is
