@@ -280,3 +280,26 @@ def test_a_forked_worker_without_omp_num_threads_gets_the_launchers_count_from_b
         assert json.loads(state.read_text()) == 2
     finally:
         torch.set_num_threads(previous)
+
+
+WORKER_MODULE = """
+import json, os, sys
+if __name__ == "__main__":
+    with open(os.environ["STATE"], "w") as state:
+        json.dump({"argv": sys.argv, "file": __file__}, state)
+    if sys.argv[1:] == ["fail"]:
+        raise SystemExit(4)
+"""
+
+
+def test_a_forked_worker_runs_its_commands_module_as_main(tmp_path, monkeypatch):
+    """torchrun's ``python -u -m MODULE ARGS``: the fork runs MODULE as ``__main__`` with ARGS in sys.argv, as the new
+    Python would (no entry point of hpctrain's imported for it); its own exit status, or 0 when it returns."""
+    (tmp_path / "worker_module.py").write_text(WORKER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    state = tmp_path / "state.json"
+    for args, code in ((["a", "b=1"], 0), (["fail"], 4)):
+        proc = fw.ForkedProcess.start(args, {"STATE": str(state)}, None, None, fw.ModuleEntry("worker_module"))
+        assert proc.wait(timeout=60) == code
+        got = json.loads(state.read_text())
+        assert got["argv"] == [str(tmp_path / "worker_module.py"), *args] and got["file"] == got["argv"][0]

@@ -142,8 +142,10 @@ def _forked_handler_class(entry: Callable[[], Any], intra_op: int = 0):
         def _popen(self, args: tuple, env: dict[str, str]) -> "ForkedProcess":
             command = module_command(args[0], tuple(args[1:]))
             assert command is not None  # checked by forked_workers' handler
-            return ForkedProcess.start(command[1], env, getattr(self, "_stdout", None), getattr(self, "_stderr", None),
-                                       entry, intra_op)
+            process = ForkedProcess.start(command[1], env, getattr(self, "_stdout", None),
+                                          getattr(self, "_stderr", None), entry, intra_op)
+            process.args = [str(a) for a in args]  # the command torchrun gave, as Popen's args would be
+            return process
 
     return ForkedHandler
 
@@ -154,7 +156,7 @@ class ForkedProcess:
 
     def __init__(self, pid: int, args: list[str]) -> None:
         self.pid = pid
-        self.args = args
+        self.args = args  # for messages: torchrun's command when its handler started the worker
         self.returncode: int | None = None
 
     @classmethod
@@ -195,7 +197,7 @@ class ForkedProcess:
             for fd in (ready_r, ready_w):
                 if fd >= 0:
                     os.close(fd)
-        return cls(pid, ["python", "-u", "-m", str(getattr(entry, "module", "?")), *module_args])
+        return cls(pid, list(module_args))
 
     def poll(self) -> int | None:
         if self.returncode is None:
