@@ -1,5 +1,5 @@
 """Workers forked from a launcher that imported a user module doing parallel tensor work at import
-(dist/forked_workers: OpenMP is not fork-safe), and Ctrl-C on a worker stuck in C code."""
+(launcher/fork_safety: OpenMP is not fork-safe), and Ctrl-C on a worker stuck in C code."""
 
 from __future__ import annotations
 

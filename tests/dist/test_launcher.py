@@ -63,7 +63,7 @@ def kill_leftovers(pids: list[int]) -> None:
 
 
 # exec: torchrun's own Popen starts the workers (as on GPU machines); auto on this CPU machine forks them from the
-# launcher (dist/forked_workers), as every other launch of this suite does.
+# launcher (launcher/forked_workers), as every other launch of this suite does.
 @pytest.mark.parametrize("sig, worker_start", [(signal.SIGTERM, "exec"), (signal.SIGUSR2, "auto"),
                                                (signal.SIGHUP, "auto")])
 def test_signal_to_the_launcher_reaches_the_workers(tmp_path: Path, sig, worker_start):

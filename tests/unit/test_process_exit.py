@@ -147,6 +147,6 @@ def test_the_hpctrain_program_exits_through_it():
     root = Path(__file__).resolve().parents[2]
     scripts = tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["hpctrain"] == "hpctrain.cli:entry_point"
-    for module in ("__main__.py", "launch.py", "slurm/task.py"):
+    for module in ("__main__.py", "launch.py", "srun_task.py"):
         assert "run_and_exit" in (root / "src" / "hpctrain" / module).read_text() or \
             "entry_point" in (root / "src" / "hpctrain" / module).read_text(), module
