@@ -1,5 +1,5 @@
-"""Workers forked from the launcher (launcher/forked_workers, launcher/fork_safety): the process torchrun gets looks like the one its Popen
-would give. The launches of tests/dist run through it on this CPU machine; a few of them run with
+"""Workers forked from the launcher (launcher/forked_workers, launcher/fork_safety): the process torchrun gets looks
+like the one its Popen would give. The launches of tests/dist run through it on this CPU machine; a few of them run with
 HPCTRAIN_WORKER_START=exec too (tests/dist/test_launcher.py), so torchrun's own Popen stays tested."""
 
 from __future__ import annotations

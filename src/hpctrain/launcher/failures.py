@@ -69,7 +69,8 @@ CONSEQUENCE_MARKERS = (
 
 def is_consequence(failure) -> bool:
     """Evidently caused by another worker's failure: torchrun's shutdown SIGTERM, or a lost peer connection."""
-    return failure.exitcode == -signal.SIGTERM or any(m in failure_message(failure, full=True) for m in CONSEQUENCE_MARKERS)
+    message = failure_message(failure, full=True)
+    return failure.exitcode == -signal.SIGTERM or any(m in message for m in CONSEQUENCE_MARKERS)
 
 
 def first_failure(err: ChildFailedError):
@@ -121,8 +122,8 @@ def _report_stuck(err: ChildFailedError, stuck: list[int], cfg) -> int:
           + (f"; {others}" if others else "") + "; the workers' messages are above; a resume starts from the "
           "run's last complete checkpoint", file=sys.stderr)
     if cfg is not None:
-        _alert_failure(cfg, stuck[0], exit_code(-signal.SIGKILL), f"did not stop within {grace} s after SIGTERM, killed",
-                       "")
+        how = f"did not stop within {grace} s after SIGTERM, killed"
+        _alert_failure(cfg, stuck[0], exit_code(-signal.SIGKILL), how, "")
     return exit_code(-signal.SIGKILL)
 
 
