@@ -118,3 +118,21 @@ def test_every_plan_option_is_described(capsys):
         main(["plan", "--help"])
     out = capsys.readouterr().out
     assert "--nodes N          nodes of the planned job" in out
+
+
+def test_a_workers_command_line_gives_its_config(tmp_path: Path):
+    # python -m hpctrain.launch reads the run's config from the workers' command line for its failure alert.
+    from hpctrain.commands.train import config_from_argv
+
+    cfg = config_from_argv(["train", "digits", "--debug", "train.max_steps=3", f"run.dir={tmp_path}"])
+    assert cfg.experiment == "digits" and cfg.train.max_steps == 3 and cfg.run_dir == str(tmp_path)
+    assert config_from_argv(["eval", "digits", "--resume", "never", f"run.dir={tmp_path}"]).ckpt.resume == "never"
+    for argv in (["sample", str(tmp_path)], ["train", "no_such_experiment"], []):
+        with pytest.raises(Exception):
+            config_from_argv(argv)
+
+
+def test_nproc_per_node_must_be_positive(capsys):
+    for argv in (["train", "digits"], ["eval", "digits"], ["sample", "runs/x"]):
+        assert main([*argv, "--nproc-per-node", "-1"]) == 2
+        assert "--nproc-per-node must be positive, got -1" in capsys.readouterr().err

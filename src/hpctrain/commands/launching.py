@@ -12,10 +12,10 @@ from typing import Callable, Protocol, Sequence
 
 from hpctrain.config.schema import RunConfig
 from hpctrain.dist.env import LaunchInfo, detect_launch
-from hpctrain.launcher.fork_safety import quiet_launcher
 from hpctrain.dist.runtime import Runtime, distributed_session
 from hpctrain.experiments import Experiment
 from hpctrain.fault.error_file import record_errors
+from hpctrain.launcher.fork_safety import quiet_launcher
 from hpctrain.logs import setup_logging
 from hpctrain.train.rundir import removed_if_left_empty
 
