@@ -39,8 +39,9 @@ slurm-deps:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(SLURM_PKGS) > /dev/null; \
 	fi
 
-# The slow FUSE file system of tests/unit/test_slowfs.py and benchmarks/data_throughput.py --fs slow needs libfuse 3
-# and fusermount3; as root, install Debian's fuse3 if missing. Without root or /dev/fuse those tests are skipped.
+# The slow FUSE file system (tools/slowfs.py) of tests/unit/test_slowfs.py and benchmarks/data_throughput.py --fs slow
+# needs libfuse 3 and fusermount3; as root, install Debian's fuse3 if missing. Without root or /dev/fuse those tests
+# are skipped.
 fuse-deps:
 	@if [ "$$(id -u)" = 0 ] && ! command -v fusermount3 > /dev/null 2>&1; then \
 	  echo "installing fuse3 for the slow-file-system tests"; \
@@ -79,9 +80,9 @@ test-slurm: setup slurm-deps
 GPU_CHECK_DIR ?=
 GPU_CHECK_ARGS ?=
 gpu-check: setup
-	$(PY) benchmarks/gpu_check.py $(if $(GPU_CHECK_DIR),--out '$(GPU_CHECK_DIR)') $(GPU_CHECK_ARGS)
+	$(PY) tools/gpu_check.py $(if $(GPU_CHECK_DIR),--out '$(GPU_CHECK_DIR)') $(GPU_CHECK_ARGS)
 
 # The quick check for a short allocation (at most 8 minutes on one H100, compilation included), from the source tree
 # with the node's own torch: no venv, no network (docs/gpu.md says what to carry).
 gpu-check-quick:
-	PYTHONPATH=src:.$${PYTHONPATH:+:$$PYTHONPATH} python3 benchmarks/gpu_check.py --quick $(if $(GPU_CHECK_DIR),--out '$(GPU_CHECK_DIR)') $(GPU_CHECK_ARGS)
+	PYTHONPATH=src:.$${PYTHONPATH:+:$$PYTHONPATH} python3 tools/gpu_check.py --quick $(if $(GPU_CHECK_DIR),--out '$(GPU_CHECK_DIR)') $(GPU_CHECK_ARGS)

@@ -21,7 +21,7 @@ Method
   (self + reaped children) around the epoch, the workers being joined before the second reading. Files opened
   come from one extra ``strace -f -e trace=openat`` pass per pipeline (not timed), when strace exists.
 - ``--fs``: where the passes read. ``local``: the work directory. ``slow``: the same files through
-  benchmarks/slowfs.py, a FUSE passthrough adding ``--slow-meta-ms`` to every metadata operation and
+  tools/slowfs.py, a FUSE passthrough adding ``--slow-meta-ms`` to every metadata operation and
   ``--slow-read-ms`` to every read request, under a ``--slow-mb-per-s`` cap shared by all readers (a busy
   parallel file system). ``fuse``: the same passthrough with no latency and no cap, which shows what the
   Python FUSE server itself costs. Its counters give the files opened, metadata operations, MB served and the
@@ -63,7 +63,7 @@ def prepare(workdir: Path, images: int) -> tuple[Path, Path]:
     from PIL import Image
 
     from hpctrain.datasets.fixtures import pattern_image
-    from hpctrain.data.shard_command import ShardRequest, shard_command
+    from hpctrain.data.shard_writer import ShardRequest, write_shards as shard_command
 
     files, shards = workdir / "files", workdir / "shards"
     marker = workdir / f"ready_{images}"
@@ -224,9 +224,9 @@ def _remove_empty(folder: Path) -> None:
 
 @functools.lru_cache(maxsize=1)
 def _slowfs():
-    """benchmarks/slowfs.py (benchmarks/ is no package), loaded by path: not by putting benchmarks/ on sys.path,
-    where its checkpoint.py, memory.py, ... would shadow modules of those names for the rest of the process."""
-    spec = importlib.util.spec_from_file_location("slowfs", Path(__file__).resolve().parent / "slowfs.py")
+    """tools/slowfs.py (tools/ is no package), loaded by path: not by putting tools/ on sys.path, where its
+    modules would shadow modules of those names for the rest of the process."""
+    spec = importlib.util.spec_from_file_location("slowfs", Path(__file__).resolve().parents[1] / "tools" / "slowfs.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["slowfs"] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)

@@ -152,15 +152,22 @@ def _no_leaks():
 
 
 @contextlib.contextmanager
-def benchmark_module(name: str):
-    """benchmarks/NAME.py imported as a module (benchmarks/ is not a package), registered in sys.modules while
-    in use: dataclasses look their module up there."""
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py")
+def benchmark_module(name: str, folder: str = "benchmarks"):
+    """FOLDER/NAME.py imported as a module NAME's last part (benchmarks/ and tools/ are not packages; NAME may be
+    a path under FOLDER, e.g. archive/2026-11/vote), registered in sys.modules while in use: dataclasses look their
+    module up there."""
+    path = Path(__file__).resolve().parents[1] / folder / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
+    sys.modules[path.stem] = module
     try:
         spec.loader.exec_module(module)
         yield module
     finally:
-        sys.modules.pop(name, None)
+        sys.modules.pop(path.stem, None)
+
+
+def tool_module(name: str):
+    """tools/NAME.py imported as a module, as benchmark_module does for benchmarks/."""
+    return benchmark_module(name, folder="tools")
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import sys
 
-from tests.conftest import benchmark_module
+from tests.conftest import benchmark_module, tool_module
 
 
 def test_small_run_has_a_row_per_file_system_and_pipeline(tmp_path, monkeypatch, capsys):
-    with benchmark_module("slowfs") as slowfs:
+    with tool_module("slowfs") as slowfs:
         fs = "local" if slowfs.unavailable() else "local,slow"
     with benchmark_module("data_throughput") as bench:
         monkeypatch.setattr(sys, "argv", ["data_throughput.py", "--images", "600", "--repeats", "1", "--readers", "2",

@@ -1,4 +1,4 @@
-"""`make gpu-check` (benchmarks/gpu_check.py): the CPU path (every GPU stage skipped, exit 0, the table and
+"""`make gpu-check` (tools/gpu_check.py): the CPU path (every GPU stage skipped, exit 0, the table and
 environment.json) and the stage runner (a failing and a timed-out stage fail alone, the others still run)."""
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import benchmark_module
+from tests.conftest import tool_module
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+SCRIPT = ROOT / "tools" / "gpu_check.py"
 
 
 @pytest.fixture(scope="module")
 def gc():
-    with benchmark_module("gpu_check") as module:
+    with tool_module("gpu_check") as module:
         yield module
 
 
@@ -145,7 +145,7 @@ def test_the_quick_check_is_ordered_by_value_and_fits_its_budget(gc):
     assert gc.QUICK_BUDGET_S <= 480 and gc.QUICK[0].timeout_s <= 180
     ctx = gc.Context(Path("/r"), {"gpu_count": 1}, python="py", faces_dir="/carried/faces")
     tests = gc.QUICK[0].command(ctx)
-    assert tests[:2] == ["py", "benchmarks/pytest_parallel.py"] and tests.count("tests/gpu") == 3
+    assert tests[:2] == ["py", "tools/pytest_parallel.py"] and tests.count("tests/gpu") == 3
     faces = gc.QUICK[2].command(ctx)
     assert faces[faces.index("--workdir") + 1] == "/carried/faces" and faces[faces.index("--faces") + 1] == "2000"
     generated = gc.QUICK[2].command(gc.Context(Path("/r"), {"gpu_count": 1}, python="py"))
@@ -198,7 +198,7 @@ def test_the_archive_is_refreshed_after_every_stage_and_leaves_out_bulk(tmp_path
 
 
 def test_pytest_parallel_runs_groups_together_and_sums_them(tmp_path: Path):
-    with benchmark_module("pytest_parallel") as pp:
+    with tool_module("pytest_parallel") as pp:
         assert pp.groups_of(["a", "-k", "x", ":::", "b", ":::"]) == [["a", "-k", "x"], ["b"]]
         assert pp.counts("..\n==== 3 passed, 1 failed, 2 skipped, 1 error in 4.1s ====\n") == {
             "passed": 3, "failed": 1, "skipped": 2, "errors": 1}
@@ -207,7 +207,7 @@ def test_pytest_parallel_runs_groups_together_and_sums_them(tmp_path: Path):
     (tmp_path / "test_a.py").write_text("import time\ndef test_slow_a():\n    time.sleep(1.5)\n")
     (tmp_path / "test_b.py").write_text("import time\ndef test_slow_b():\n    time.sleep(1.5)\n"
                                         "def test_fails():\n    assert False\n")
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pytest_parallel.py"), "--",
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "pytest_parallel.py"), "--",
                            str(tmp_path / "test_a.py"), ":::", str(tmp_path / "test_b.py")],
                           capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert done.returncode == 1, done.stdout + done.stderr  # a failing group fails the whole
@@ -224,7 +224,7 @@ def test_a_check_ended_by_sigterm_keeps_the_running_stages_log_in_its_archive(tm
     out.mkdir()
     child = (
         "import sys, time\n"
-        f"sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
+        f"sys.path.insert(0, {str(ROOT / 'tools')!r})\n"
         "import gpu_check as gc\n"
         "from pathlib import Path\n"
         f"out = Path({str(out)!r})\n"

@@ -146,11 +146,11 @@ def test_index_only_sets_from_other_writers_too(tmp_path: Path, split: Path):
 
 
 def test_the_start_up_benchmark_prints_its_table(tmp_path: Path, monkeypatch, capsys):
-    """benchmarks/index_startup.py on a small generated set, one repeat: the set it writes is one hpctrain reads,
-    and the table has both rows of this tree."""
+    """benchmarks/archive/2026-11/index_startup.py on a small generated set, one repeat: the set it writes is one
+    hpctrain reads, and the table has both rows of this tree."""
     from tests.conftest import benchmark_module
 
-    with benchmark_module("index_startup") as bench:
+    with benchmark_module("archive/2026-11/index_startup") as bench:
         monkeypatch.setattr(sys, "argv", ["index_startup.py", "--samples", "3000", "--shards", "30", "--repeats", "1",
                                           "--workdir", str(tmp_path)])
         bench.main()

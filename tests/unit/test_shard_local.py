@@ -151,11 +151,11 @@ def test_too_few_shards_per_rank_is_a_warning():
 
 
 def test_bytes_per_node_follow_the_read_plan():
-    """benchmarks/shared_fs_bytes.py on a layout where the answer is known: 8 equal shards, 2 nodes x 2 ranks. The
-    exact order has every node read every shard; shard_local has each rank read its 2 shards, so each node half."""
+    """benchmarks/archive/2026-11/shared_fs_bytes.py on a layout where the answer is known: 8 equal shards, 2 nodes
+    x 2 ranks. The exact order has every node read every shard; shard_local has each rank read its 2 shards, so each node half."""
     from tests.conftest import benchmark_module
 
-    with benchmark_module("shared_fs_bytes") as bench:
+    with benchmark_module("archive/2026-11/shared_fs_bytes") as bench:
         ds = bench.DataSet("t", 8 * 64, 1000)  # 1000-byte samples: a record of 1536 + 1024 bytes
         layout = bench.tar_layout(ds, 64 * 2560)
         assert layout.sizes == [64] * 8
@@ -176,7 +176,7 @@ def test_bytes_per_node_follow_the_read_plan():
 def test_the_bytes_benchmark_prints_its_table(capsys):
     from tests.conftest import benchmark_module
 
-    with benchmark_module("shared_fs_bytes") as bench:
+    with benchmark_module("archive/2026-11/shared_fs_bytes") as bench:
         bench.main(["--sets", "cifar10", "--nodes", "1,4", "--ranks-per-node", "2", "--per-rank", "16",
                     "--shard-mb", "4"])
     out = capsys.readouterr().out.splitlines()

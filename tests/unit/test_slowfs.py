@@ -1,4 +1,4 @@
-"""benchmarks/slowfs.py: the slow passthrough reads back what it serves, pays its latency and its bandwidth cap,
+"""tools/slowfs.py: the slow passthrough reads back what it serves, pays its latency and its bandwidth cap,
 and leaves no mount behind, also when the block using it raises. Skipped where FUSE cannot mount (the reason says
 what is missing: /dev/fuse, root, fusermount3 or libfuse)."""
 
@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import benchmark_module
+from tests.conftest import tool_module
 
 
 @pytest.fixture(scope="module")
 def slowfs():
-    with benchmark_module("slowfs") as module:
+    with tool_module("slowfs") as module:
         reason = module.unavailable()
         if reason:
             pytest.skip(reason)

@@ -1,7 +1,7 @@
 """torch.compile and DDP: step time of eager DDP, a compiled module inside DDP (hpctrain's order before
 issue 13) and DDP inside torch.compile (torch's documented order, hpctrain's now). Prints a table.
 
-    python benchmarks/compile_order.py [--nproc 2] [--steps 50] [--repeats 3] [--layers 16] [--width 1024]
+    python benchmarks/archive/2026-11/compile_order.py [--nproc 2] [--steps 50] [--repeats 3] [--layers 16] [--width 1024]
 
 Runs itself under torchrun with --nproc processes: NCCL when every process has a GPU of its own, gloo
 otherwise (two processes sharing one GPU cannot form an NCCL communicator: NCCL refuses a duplicate GPU, so

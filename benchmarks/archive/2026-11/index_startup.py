@@ -1,6 +1,6 @@
 """Start-up of a large shard set: the index a rank parses, the copy each loader worker receives, the shard stats.
 
-    python benchmarks/index_startup.py [--samples 1000000] [--shards 10000] [--repeats 3] [--before SRC]
+    python benchmarks/archive/2026-11/index_startup.py [--samples 1000000] [--shards 10000] [--repeats 3] [--before SRC]
 
 Method
 - A generated shard set of ``--samples`` samples in ``--shards`` shards, in hpctrain's on-disk format (index.json,
@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]  # benchmarks/archive/2026-11/ -> the checkout
 
 PROBE = r"""
 import json, pickle, sys, time

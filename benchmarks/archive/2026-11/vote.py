@@ -3,7 +3,7 @@ all-reduced on NCCL and read back with .tolist(): a host-to-device copy and a de
 and hpctrain's StepVote on NCCL (pinned buffers and an event: waits for the previous step, not the one just
 queued). Prints a table.
 
-    python benchmarks/vote.py [--steps 300] [--repeats 5] [--layers 24] [--width 256]
+    python benchmarks/archive/2026-11/vote.py [--steps 300] [--repeats 5] [--layers 24] [--width 256]
 
 One process with a world-size-1 process group (NCCL when CUDA is there, else gloo): a
 one-rank NCCL all-reduce still launches its kernel and the .tolist() still waits for every queued kernel,

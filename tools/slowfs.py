@@ -1,6 +1,6 @@
 """A slow read-only passthrough file system (FUSE): a local directory that behaves like a busy parallel file system.
 
-    python benchmarks/slowfs.py SOURCE MOUNTPOINT [--meta-ms 0.5] [--read-ms 0] [--mb-per-s 1000]
+    python tools/slowfs.py SOURCE MOUNTPOINT [--meta-ms 0.5] [--read-ms 0] [--mb-per-s 1000]
 
 mounts SOURCE at MOUNTPOINT in the foreground until Ctrl-C. From Python, ``with mounted(source, mountpoint,
 Slowness(...)):`` runs it in a child process for the block and unmounts it afterwards, also when the block raises.
@@ -311,7 +311,7 @@ def main() -> None:
     p.add_argument("--parent", type=int, default=0, help=argparse.SUPPRESS)  # mounted(): die with this process
     args = p.parse_args()
     if args.parent:
-        from hpctrain.dist.launcher import die_with_parent
+        from hpctrain.dist.parent_death import die_with_parent
 
         die_with_parent()
         if os.getppid() != args.parent:  # it died before the line above

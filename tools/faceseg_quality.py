@@ -2,8 +2,8 @@
 
 CelebAMask-HQ cannot be downloaded here, so this is the end-to-end check of the segmentation code:
 
-    python benchmarks/faceseg_quality.py [--faces data/faces] [--count 3000] [--run-dir runs/faceseg-quality]
-                                         [--nproc 2] [--out docs] [key=value ...]
+    python tools/faceseg_quality.py [--faces data/faces] [--count 3000] [--run-dir runs/faceseg-quality]
+                                    [--nproc 2] [--out docs] [key=value ...]
 
 generates the faces when the folder is missing (``hpctrain synth faces``), trains ``faceseg`` (ResNet-18
 DeepLabV3+, 128x128, from scratch) on ``--nproc`` processes, and prints the wall time, the final validation

@@ -1,6 +1,6 @@
 """Run groups of pytest arguments as concurrent pytest processes and report them as one run.
 
-    python benchmarks/pytest_parallel.py [--junit-prefix PATH] -- ARGS... [::: ARGS...]...
+    python tools/pytest_parallel.py [--junit-prefix PATH] -- ARGS... [::: ARGS...]...
 
 Each group (the arguments between ':::' separators) is one `python -m pytest -q -rA -p no:cacheprovider ARGS`
 process, all started together, each writing its output live to PATH-<group>.log (with --junit-prefix; else a

@@ -1,6 +1,6 @@
 """Weak scaling of the digits demo: a fixed micro-batch per process, 1, 2 and 4 processes. Prints a table.
 
-    python benchmarks/scaling.py [--repeats 3] [--procs 1 2 4] [--micro 25] [--steps 60]
+    python benchmarks/archive/2026-11/scaling.py [--repeats 3] [--procs 1 2 4] [--micro 25] [--steps 60]
 
 Global batch = micro x processes (no accumulation), so each process does the same work per step and
 ideal scaling keeps steps/s constant. Throughput is the median of the logged samples_per_s records after

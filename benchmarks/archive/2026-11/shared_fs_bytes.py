@@ -1,7 +1,7 @@
 """Bytes each node reads from the shared file system per epoch, by data order, nodes and data-set size. Prints a table.
 
-    python benchmarks/shared_fs_bytes.py [--nodes 1,2,4,8,16,32,64] [--ranks-per-node 8] [--per-rank 32]
-                                         [--sets cifar10,celebamask,imagenet] [--shard-mb 256] [--block-kb 1024]
+    python benchmarks/archive/2026-11/shared_fs_bytes.py [--nodes 1,2,4,8,16,32,64] [--ranks-per-node 8]
+        [--per-rank 32] [--sets cifar10,celebamask,imagenet] [--shard-mb 256] [--block-kb 1024]
 
 Computed from the read plan, not by running 64 nodes: the epoch order is hpctrain's own
 (``shard_epoch_order`` for data.order=exact, ``shard_local_order`` for shard_local), cut into steps and ranks by

@@ -1,8 +1,8 @@
 """Everything only a GPU shows, in one command: `make gpu-check` on a GPU node (about 15 minutes on one H100), or
 `make gpu-check-quick` (--quick) in at most 8 minutes, compilation included, for a short allocation.
 
-    python benchmarks/gpu_check.py [--quick] [--out DIR] [--only STAGE,...] [--skip STAGE,...] [--budget-s S]
-                                   [--faces-dir DIR] [--archive PATH] [--list]
+    python tools/gpu_check.py [--quick] [--out DIR] [--only STAGE,...] [--skip STAGE,...] [--budget-s S]
+                              [--faces-dir DIR] [--archive PATH] [--list]
 
 Writes everything under one folder: --out, else $GPU_CHECK_DIR, else gpu-check-results/<date>-<host>/. In it:
 environment.json (device, driver, torch, CUDA, NCCL, cuDNN, date, host, commit), one log per stage (NN-stage.log,
@@ -48,6 +48,8 @@ from hpctrain.perf.provenance import source_commit
 from hpctrain.proctree import descendants, kill_tree
 
 ROOT = Path(__file__).resolve().parent.parent
+# The decision records the full check still reruns on a GPU (benchmarks/archive/2026-11/README.md).
+ARCHIVE = "benchmarks/archive/2026-11"
 # hpctrain trains on the GPU there while the plain loop and the peers run on the CPU: not like with like.
 OVERHEAD_CPU_ONLY = "its plain loop and peers run on the CPU only, so on a GPU the ratio would compare devices"
 NO_CUDA = "no CUDA device: skipped; run on a GPU node"
@@ -367,8 +369,8 @@ STAGES: list[Stage] = [
     Stage("checkpoint-stall", lambda ctx: [ctx.python, "benchmarks/checkpoint.py", "--repeats", "3", "--device", "cuda",
                                            "--dir", str(ctx.out)], 600, numbers=checkpoint_numbers),
     Stage("doctor-perf", _doctor_perf, 300, numbers=preflight_numbers),
-    Stage("vote", lambda ctx: [ctx.python, "benchmarks/vote.py"], 300, numbers=table_numbers),
-    Stage("compile-order", lambda ctx: [ctx.python, "benchmarks/compile_order.py"], 600, numbers=table_numbers),
+    Stage("vote", lambda ctx: [ctx.python, f"{ARCHIVE}/vote.py"], 300, numbers=table_numbers),
+    Stage("compile-order", lambda ctx: [ctx.python, f"{ARCHIVE}/compile_order.py"], 600, numbers=table_numbers),
     Stage("memory-strategies", lambda ctx: [ctx.python, "benchmarks/memory.py", "--device", "cuda", "--worlds",
                                             ",".join(str(w) for w in (1, 2, 4) if w <= ctx.gpus)], 600,
           skip=needs_gpus(2, SHARDING_NEEDS_2), numbers=table_numbers),
@@ -394,7 +396,7 @@ def _tests_parallel(ctx: Context) -> list[str]:
     """tests/gpu as four concurrent pytest processes: each of the two compile tests (CPU-bound tracing and Inductor,
     about a minute each) and the graphed-step tests (three launches) beside the rest, so that none adds to the
     others' time."""
-    return [ctx.python, "benchmarks/pytest_parallel.py", "--junit-prefix", str(ctx.out / "tests-gpu"), "--",
+    return [ctx.python, "tools/pytest_parallel.py", "--junit-prefix", str(ctx.out / "tests-gpu"), "--",
             "tests/gpu", "-k", "compiled_digits", ":::", "tests/gpu", "-k", "faceseg_from_shards", ":::",
             "tests/gpu/test_step_graphed.py", ":::",
             "tests/gpu", "--ignore=tests/gpu/test_step_graphed.py",

@@ -3,7 +3,7 @@
 No GPU and no CIFAR-10 here, so this is the end-to-end check of the diffusion code: train ``ddpm_digits``
 (about 15 minutes on 2 CPU cores), then
 
-    python benchmarks/ddpm_digits_quality.py RUN_DIR [--n 500] [--ddim-steps 50] [--out docs]
+    python tools/ddpm_digits_quality.py RUN_DIR [--n 500] [--ddim-steps 50] [--out docs]
 
 trains the digits demo (``hpctrain train digits``, MiniResNet, 100% validation accuracy) once on the real
 digits, draws N samples from the run's EMA weights with DDIM, brings them back to 8x8 (area average of the
@@ -33,7 +33,7 @@ from hpctrain.experiments.digits.data import load_digits_tensors
 from hpctrain.experiments.digits.model import MiniResNet
 from hpctrain.metrics.images import image_grid, write_png
 from hpctrain.metrics.sinks import MetricsLogger
-from hpctrain.train.entry import resolve
+from hpctrain.resolution import resolve_config as resolve
 from hpctrain.experiments.outputs import Outputs
 
 CONFIDENT = 0.9
