@@ -144,7 +144,7 @@ def test_the_facts_of_the_data_are_gathered_from_the_manifests(tmp_path, monkeyp
         c = load_config("tests.shard_experiment:ShardClassifier", cls.config_class, experiment_defaults=cls.defaults,
                         overrides=[f"run.dir={tmp_path / 'run'}", f"model.shards={tmp_path / 'set'}",
                                    f"data.stage_dir={stage_dir}"])
-        return gather_facts(c, job.job_spec(c))
+        return gather_facts(c, job.job_spec(c), cls(c).shard_dirs())
 
     here = facts(str(tmp_path))
     assert here.data_dirs == (str(tmp_path / "set" / "train"), str(tmp_path / "set" / "test"))
@@ -378,7 +378,7 @@ def test_a_bare_interpreter_name_on_path_is_found():
     from hpctrain.slurm.facts import gather_facts
 
     c = cfg("slurm.python=python3")
-    assert "python3" in gather_facts(c, job.job_spec(c)).existing
+    assert "python3" in gather_facts(c, job.job_spec(c), ()).existing
 
 
 def test_the_lead_time_hint_does_not_trigger_its_own_warning():
@@ -421,7 +421,7 @@ def test_slurm_status_and_cancel_start_without_importing_torch():
     import subprocess
     import sys
 
-    code = "import sys, hpctrain.cli, hpctrain.slurm.commands, hpctrain.monitor.report; print('torch' in sys.modules)"
+    code = "import sys, hpctrain.cli, hpctrain.commands.slurm, hpctrain.monitor.report; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"

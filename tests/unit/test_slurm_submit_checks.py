@@ -20,7 +20,9 @@ from hpctrain.checkpoint.manager import Checkpointer
 from hpctrain.cli import main
 from hpctrain.dist.runtime import single_process_runtime
 from hpctrain.fault import run_lock
-from hpctrain.slurm import commands, job
+from hpctrain.commands import slurm as commands
+from hpctrain.slurm import job
+from hpctrain.slurm.progress import latest_step
 from hpctrain.train.state import TrainState
 
 
@@ -170,7 +172,7 @@ def test_a_sweep_point_that_a_live_training_holds_is_refused_before_sbatch(tmp_p
 def digits_checkpoint(run: Path, *overrides: str) -> None:
     """A checkpoint of the digits model built with these [model] settings, and their config.toml."""
     from hpctrain.config import config_to_toml
-    from hpctrain.train.entry import resolve
+    from hpctrain.resolution import resolve_config as resolve
 
     cls, saved = resolve("digits", None, (f"run.dir={run}", *overrides))
     save_checkpoint(run, "digits", saved.train.global_batch_size, config_to_toml(saved), cls(saved).build_model())
@@ -264,7 +266,7 @@ def test_status_shows_the_step_of_a_stop_not_the_last_train_record(tmp_path, slu
     assert main(["slurm", "status", str(run)]) == 0
     out = capsys.readouterr().out
     assert "step 14, train loss 0.5 at step 10" in out, out
-    assert commands.latest_step(records + [{"step": 14, "split": "resume", "epoch": 0}]) == 14
+    assert latest_step(records + [{"step": 14, "split": "resume", "epoch": 0}]) == 14
 
 
 def test_sweep_status_shows_the_step_of_a_stop(tmp_path):

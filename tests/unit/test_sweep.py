@@ -22,7 +22,8 @@ from hpctrain.errors import UserError
 from hpctrain.slurm import job, lint
 from hpctrain.slurm.facts import Facts
 from hpctrain.slurm.render import render_script
-from hpctrain.sweep import commands, status
+from hpctrain.commands import sweep as commands
+from hpctrain.sweep import array, status
 from hpctrain.sweep.grid import Axis, MAX_POINTS, grid_points, parse_axis
 from hpctrain.sweep.spec import build_sweep, read_plan, write_sweep
 from hpctrain.sweep.report import PointResult, point_results, sweep_table
@@ -104,7 +105,7 @@ def _array(tmp_path, *extra: str):
     plan, configs = build_sweep("digits", None, ("slurm.nodes=1", "slurm.gpus_per_node=1", "slurm.gpus=false",
                                                 *extra), ["optim.lr=1e-3,3e-3", "train.micro_batch_size=25,50"],
                                "/shared/sweeps/lr")
-    spec = commands.array_spec(plan, configs, max_parallel=2)
+    spec = array.array_spec(plan, configs, max_parallel=2)
     return plan, dataclasses.replace(spec, workdir="/home/user/project", python="/home/user/venv/bin/python",
                                      venv="/home/user/venv", version="0.1.0")
 
@@ -224,7 +225,7 @@ def _submit(plan, configs, fake: FakeSlurm, job_id: str, indices: tuple[int, ...
     """What `sweep submit` records for an array (its script, its id), through job.submit and the stand-in sbatch."""
     write_sweep(plan, configs)
     fake.answer("sbatch", "next", f"{job_id}\n")
-    assert job.submit(render_script(commands.array_spec(plan, configs, 0, indices)), plan.sweep_dir) == job_id
+    assert job.submit(render_script(array.array_spec(plan, configs, 0, indices)), plan.sweep_dir) == job_id
 
 
 def _task_ended(plan, job_id: str, index: int, code: int, error: str = "", accuracy: float | None = None) -> None:
@@ -253,14 +254,14 @@ def test_a_resubmitted_sweep_keeps_what_its_earlier_array_finished(tmp_path, slu
     _task_ended(plan, "100", 1, 1, "hpctrain: error: loss is NaN")
     _task_ended(plan, "100", 2, 0, accuracy=0.93)
     assert _states(plan)["p001"] == ("failed", "hpctrain: error: loss is NaN")
-    assert commands._unfinished(plan) == ("1",)
+    assert array.unfinished(plan) == ("1",)
     _submit(plan, configs, slurm, "200", (1,))
     assert "#SBATCH --array=1\n" in (plan.sweep_dir / "slurm" / "job_200.sh").read_text()
     slurm.answer("scontrol", "200", "JobId=200 JobName=sweep-s ArrayJobId=200 ArrayTaskId=1 JobState=COMPLETED "
                                     "Reason=None Restarts=0 ExitCode=0:0 RunTime=00:01:10\n")
     _task_ended(plan, "200", 1, 0, accuracy=0.90)
     assert _states(plan) == {"p000": ("done", ""), "p001": ("done", ""), "p002": ("done", "")}
-    assert commands._unfinished(plan) == ("none",)
+    assert array.unfinished(plan) == ("none",)
     table = sweep_table(plan, point_results(plan, "accuracy", True, status.collect_status(plan)), "accuracy", True)
     assert "| 1 | p000_lr=0.1 | 0.1 | 0.95 **best** |" in table and "| 3 | p001_lr=0.2 | 0.2 | 0.9 |" in table
 
@@ -276,7 +277,7 @@ def test_a_task_cancelled_before_it_started_is_cancelled_not_started_and_runs_ag
                  "JobId=300 ArrayJobId=300 ArrayTaskId=2 JobState=CANCELLED Reason=None ExitCode=0:0 RunTime=00:00:00\n")
     want = {"p000": ("done", ""), "p001": ("cancelled", ""), "p002": ("cancelled", "not started")}
     assert _states(plan) == want
-    assert commands._unfinished(plan) == ("1", "2")
+    assert array.unfinished(plan) == ("1", "2")
     # the same from accounting, once scontrol has forgotten the array (a pending range cancelled is one record)
     slurm.forget("scontrol", "300")
     slurm.answer("sacct", "300", "300_0|COMPLETED|0:0|00:02:00\n300_1|CANCELLED by 1000|0:15|00:00:00\n"
@@ -408,7 +409,7 @@ def test_a_point_s_shutdown_output_after_ctrl_c_does_not_block_the_sweep(tmp_pat
         print("ready", flush=True)
         time.sleep(60)
     """))
-    sweep = ("import sys; from hpctrain.sweep.commands import _run_point; "
+    sweep = ("import sys; from hpctrain.sweep.local import _run_point; "
              "print('RESULT', _run_point([sys.executable, sys.argv[1]]), flush=True)")
     proc = subprocess.Popen([sys.executable, "-c", sweep, str(point)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)

@@ -113,7 +113,7 @@ def perf_command(req: PerfRequest) -> int:
     launch = detect_launch()
     if launch.launcher == "single" and req.nproc_per_node > 1:
         # Every rank gets the same report directory, chosen here once.
-        from hpctrain.launch import launch_local
+        from hpctrain.launcher.torchrun import launch_local
 
         return launch_local(req.nproc_per_node, req.worker_args(str(Path(out).resolve())))
     import torch

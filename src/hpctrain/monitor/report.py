@@ -13,7 +13,6 @@ from __future__ import annotations
 import html
 import math
 import statistics
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -304,10 +303,3 @@ def write_report(run_dir: Path) -> Path:
     (out / "summary.md").write_text(markdown)
     (out / "index.html").write_text(summary_html(markdown, pictures))
     return out
-
-
-def report_command(run_dir: str) -> int:
-    out = write_report(Path(run_dir))
-    print((out / "summary.md").read_text(), end="")
-    print(f"hpctrain: report written to {out}/ (index.html, summary.md, *.png)", file=sys.stderr)
-    return 0

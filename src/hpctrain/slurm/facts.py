@@ -10,6 +10,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 from hpctrain.config.schema import RunConfig
 from hpctrain.data.shards import MANIFEST
@@ -109,7 +110,9 @@ def gres_gpus(gres: str) -> int:
     return total
 
 
-def gather_facts(cfg: RunConfig, spec: JobSpec) -> Facts:
+def gather_facts(cfg: RunConfig, spec: JobSpec, shard_dirs: Sequence[str]) -> Facts:
+    """What the job needs, as seen here. ``shard_dirs``: the folders of shards the experiment reads (its
+    shard_dirs(); the command resolves the experiment, which this layer does not import)."""
     s = cfg.slurm
     paths = [p for p in (spec.python, spec.venv, s.container) if p]
     nodes, note = partition_nodes(s.partition)
@@ -125,7 +128,7 @@ def gather_facts(cfg: RunConfig, spec: JobSpec) -> Facts:
         module_system=module_system_present(),
         nodes=nodes,
         max_array_size=max_array_size() if spec.array is not None else 0,
-        **_data_facts(cfg, Path(spec.workdir)),
+        **_data_facts(cfg, Path(spec.workdir), shard_dirs),
     )
 
 
@@ -163,12 +166,10 @@ def _module_file(experiment: str, workdir: Path) -> str:
     return ""
 
 
-def _data_facts(cfg: RunConfig, workdir: Path) -> dict:
+def _data_facts(cfg: RunConfig, workdir: Path, shard_dirs: Sequence[str]) -> dict:
     """The shard folders (relative ones from the job's working directory), their size and filesystem, and the
     stage dir's room where it can be seen from here."""
-    from hpctrain.experiments import resolve_experiment
-
-    dirs = [workdir / d for d in resolve_experiment(cfg.experiment)(cfg).shard_dirs()]
+    dirs = [workdir / d for d in shard_dirs]
     shards = [_manifest_shards(d) for d in dirs]  # each manifest read once
     train = shards[0] if shards else []
     stage = _stage_dir_here(cfg.data.stage_dir)

@@ -6,7 +6,6 @@ index.html with curves.png and curves_by_AXIS.png."""
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,10 +128,3 @@ def write_sweep_report(sweep_dir: Path) -> Path:
     (out / "summary.md").write_text(markdown)
     (out / "index.html").write_text(summary_html(markdown, pictures))
     return out
-
-
-def sweep_report_command(sweep_dir: Path) -> int:
-    out = write_sweep_report(sweep_dir)
-    print((out / "summary.md").read_text(), end="")
-    print(f"hpctrain: report written to {out}/ (index.html, summary.md, curves*.png)", file=sys.stderr)
-    return 0

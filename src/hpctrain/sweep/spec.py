@@ -57,11 +57,11 @@ def build_sweep(experiment: str, config_file: str | None, overrides: tuple[str, 
 
 
 def resolve_point(plan: SweepSpec, point: Point) -> RunConfig:
-    from hpctrain.train.entry import resolve
+    from hpctrain.resolution import resolve_config
 
     own = (*plan.overrides, *point.overrides, f"run.dir={plan.run_dir(point)}")
     try:
-        cfg = resolve(plan.experiment, plan.config_file or None, own)[1]
+        cfg = resolve_config(plan.experiment, plan.config_file or None, own)[1]
         s = cfg.slurm
         batch_sizes(cfg.train.global_batch_size, cfg.train.micro_batch_size, s.nodes * s.gpus_per_node)
     except UserError as err:

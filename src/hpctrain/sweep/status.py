@@ -1,4 +1,4 @@
-"""`hpctrain sweep status`: every point's state, step and latest validation metric.
+"""A sweep's status (`hpctrain sweep status`): every point's state, step and latest validation metric.
 
 A point's state comes from the last array job that ran it (a sweep submitted again runs only its unfinished points
 in a new array: the points an earlier array finished keep that array's state), else from its local status file
@@ -14,8 +14,8 @@ from pathlib import Path
 from hpctrain.errors import UserError
 from hpctrain.metrics.records import metric_values, read_metrics
 from hpctrain.slurm import job
-from hpctrain.slurm.commands import latest_step
-from hpctrain.sweep.spec import SweepSpec, read_plan
+from hpctrain.slurm.progress import latest_step
+from hpctrain.sweep.spec import SweepSpec
 
 STATUS_DIR = "status"
 """SWEEP_DIR/status/NAME.json: how a local run of a point ended (state, exit code, its error line)."""
@@ -31,12 +31,6 @@ class PointStatus:
     metric: tuple[str, float] | None
     """The latest validation value of the experiment's main metric."""
     detail: str = ""
-
-
-def status_command(sweep_dir: str) -> int:
-    plan = read_plan(Path(sweep_dir))
-    print(status_text(plan, collect_status(plan)))
-    return 0
 
 
 def collect_status(plan: SweepSpec) -> list[PointStatus]:

@@ -1,40 +1,89 @@
-"""`hpctrain slurm render|check|submit|status|cancel|logs`: glue between the CLI and slurm/*."""
+"""`hpctrain slurm render|check|submit|status|cancel|logs`: their arguments and runs. render, check and submit
+resolve the run's config (resolution.py) and compose slurm/: the job spec and script (job, render), what this
+machine and sinfo show (facts, with the shard folders the experiment reads), the lint, sbatch; status, cancel and
+logs ask Slurm about a run dir's or a job id's job."""
 
 from __future__ import annotations
 
+import argparse
 import shlex
 import sys
 import time
 from pathlib import Path
 
+from hpctrain.commands.arguments import add_run_args
 from hpctrain.config.load import config_to_toml, flat_differences
 from hpctrain.config.schema import RunConfig
 from hpctrain.errors import UserError
-from hpctrain.metrics.records import metric_values, read_metrics
+from hpctrain.fault import submit_guard
 from hpctrain.slurm import facts, job, lint, render
+from hpctrain.slurm.progress import progress_line
 
 
-def _resolve(experiment: str, config_file: str | None, overrides: tuple[str, ...]) -> RunConfig:
-    from hpctrain.train.entry import resolve
+def add_parser(sub) -> None:
+    slurm = sub.add_parser("slurm", help="render, check, submit and follow Slurm jobs")
+    ssub = slurm.add_subparsers(dest="slurm_command", required=True, metavar="SUBCOMMAND")
+    for name, text in (("render", "print the sbatch script"), ("check", "lint the job (exit 1 on errors)"),
+                       ("submit", "check, write the script into the run dir, sbatch it, print the job id")):
+        p = ssub.add_parser(name, help=text)
+        add_run_args(p)
+        if name == "submit":
+            p.add_argument("--force", action="store_true",
+                           help="submit despite errors found by the check, or when Slurm did not answer whether the "
+                                "run dir's job still runs")
+            p.add_argument("--preflight", action="store_true",
+                           help="run hpctrain doctor --perf on all ranks first; a failed check ends the job before "
+                           "training (same as slurm.preflight=true; options in slurm.preflight_args)")
+        p.set_defaults(run=run, command_name=name)
+    for name, text in (("status", "Slurm state and training progress"), ("cancel", "cancel the job"),
+                       ("logs", "print (or follow) the job's log")):
+        p = ssub.add_parser(name, help=text)
+        p.add_argument("target", metavar="RUN_DIR|JOB_ID",
+                       help="a run dir submitted from, a job id, or a sweep's array task (JOBID_INDEX)")
+        p.add_argument("--debug", action="store_true", help="show tracebacks")
+        if name == "cancel":
+            p.add_argument("--signal", default="", metavar="SIG",
+                           help="instead of cancelling, send SIG (e.g. USR2: checkpoint and requeue) to the job")
+        if name == "logs":
+            p.add_argument("-n", "--lines", type=int, default=40, help="lines from the end (default 40)")
+            p.add_argument("-f", "--follow", action="store_true",
+                           help="keep printing as the log grows, until the job ends")
+        p.set_defaults(run=run, command_name=name)
 
-    return resolve(experiment, config_file, overrides)[1]
+
+def run(args: argparse.Namespace) -> int:
+    name = args.command_name
+    if name == "status":
+        return show_status(args.target)
+    if name == "cancel":
+        return cancel_job(args.target, args.signal)
+    if name == "logs":
+        return show_logs(args.target, args.lines, args.follow)
+    from hpctrain.resolution import resolve_config
+
+    preflight = ("slurm.preflight=true",) if name == "submit" and args.preflight else ()
+    cfg = resolve_config(args.experiment, args.config_file, tuple(args.overrides) + preflight)[1]
+    if name == "render":
+        print(render.render_script(job.job_spec(cfg)), end="")
+        return 0
+    return check_job(cfg) if name == "check" else submit_job(cfg, args.force)
 
 
-def render_command(experiment: str, config_file: str | None, overrides: tuple[str, ...]) -> int:
-    cfg = _resolve(experiment, config_file, overrides)
-    print(render.render_script(job.job_spec(cfg)), end="")
-    return 0
+def shard_dirs(cfg: RunConfig) -> tuple[str, ...]:
+    """The shard folders the run's experiment reads (as its config sets them), for the facts."""
+    from hpctrain.experiments import resolve_experiment
+
+    return tuple(resolve_experiment(cfg.experiment)(cfg).shard_dirs())
 
 
 def check_findings(cfg: RunConfig, spec: render.JobSpec, extra: list[lint.Finding] = ()) -> list[lint.Finding]:
-    findings = [*extra, *lint.lint(cfg, spec, facts.gather_facts(cfg, spec))]
+    findings = [*extra, *lint.lint(cfg, spec, facts.gather_facts(cfg, spec, shard_dirs(cfg)))]
     for f in findings:
         print(f.format(), file=sys.stderr)
     return findings
 
 
-def check_command(experiment: str, config_file: str | None, overrides: tuple[str, ...]) -> int:
-    cfg = _resolve(experiment, config_file, overrides)
+def check_job(cfg: RunConfig) -> int:
     findings = check_findings(cfg, job.job_spec(cfg))
     errors, warnings = (sum(f.level == level for f in findings) for level in ("error", "warning"))
     notes = len(findings) - errors - warnings
@@ -43,16 +92,15 @@ def check_command(experiment: str, config_file: str | None, overrides: tuple[str
     return 1 if errors else 0
 
 
-def submit_command(experiment: str, config_file: str | None, overrides: tuple[str, ...], force: bool) -> int:
-    from hpctrain.train.entry import check_resume
+def submit_job(cfg: RunConfig, force: bool) -> int:
+    from hpctrain.train.resume_check import check_resume
 
-    cfg = _resolve(experiment, config_file, overrides)
     spec = job.job_spec(cfg)
     # What would fail on the nodes after the queue wait, refused here whatever --force says: a second writer of the
     # run dir (its own job queued or running, or a training holding it), a checkpoint this config cannot resume
     # (its batch, its optimizer, a model whose parameters it does not fit). --force only submits when Slurm did not
     # answer whether the run dir's job still runs.
-    job.refuse_busy_run_dir(Path(spec.run_dir), force)
+    submit_guard.refuse_busy_run_dir(Path(spec.run_dir), force)
     checkpoint = check_resume(cfg)
     findings = check_findings(cfg, spec, model_changes(cfg, checkpoint))
     errors = [f for f in findings if f.level == "error"]
@@ -123,7 +171,7 @@ def model_misfit(cfg: RunConfig, checkpoint: Path) -> tuple[str, str]:
     return "; ".join(parts), ""
 
 
-def status_command(target: str) -> int:
+def show_status(target: str) -> int:
     job_id, run_dir = job.resolve_target(target)
     fields = job.job_state(job_id)
     if not fields:
@@ -141,42 +189,14 @@ def status_command(target: str) -> int:
     return 0
 
 
-def progress_line(run_dir: Path) -> str:
-    """Training progress from the run dir: last step, loss, validation metrics, newest checkpoint."""
-    metrics = run_dir / "metrics.jsonl"
-    records = read_metrics(metrics) if metrics.exists() else []
-    train = [r for r in records if r["split"] == "train"]
-    val = [r for r in records if r["split"] == "val"]
-    latest = run_dir / "checkpoints" / "latest"
-    parts = [f"run {run_dir}:"]
-    step = latest_step(records)
-    if train:
-        at = f" at step {train[-1]['step']}" if train[-1]["step"] != step else ""
-        parts.append(f"step {step}, train loss {train[-1].get('loss', float('nan')):.4g}{at}")
-    else:
-        parts.append("no training step logged yet" if step is None else f"step {step}, no train record yet")
-    if val:
-        parts.append(f"val at step {val[-1]['step']}: "
-                     + ", ".join(f"{k} {v:.4g}" for k, v in metric_values(val[-1]).items()))
-    parts.append(f"checkpoint {latest.read_text().strip()}" if latest.exists() else "no checkpoint yet")
-    return " ".join(parts[:2]) + ("; " + "; ".join(parts[2:]) if len(parts) > 2 else "")
-
-
-def latest_step(records: list[dict]) -> int | None:
-    """The run's latest step: that of its newest train, stop or resume record (a stop writes no train record, so
-    that log windows stay aligned across the resume: the last train record may be steps behind)."""
-    steps = [r["step"] for r in records if r.get("split") in ("train", "stop", "resume")]
-    return steps[-1] if steps else None
-
-
-def cancel_command(target: str, signal: str) -> int:
+def cancel_job(target: str, signal: str) -> int:
     job_id, _ = job.resolve_target(target)
     job.cancel(job_id, signal)
     print(f"job {job_id}: " + (f"sent {signal} to the batch shell, which passes it to every task" if signal else "cancelled"))
     return 0
 
 
-def logs_command(target: str, lines: int, follow: bool) -> int:
+def show_logs(target: str, lines: int, follow: bool) -> int:
     job_id, run_dir = job.resolve_target(target)
     files = job.log_files(job_id, run_dir)
     if not files:
