@@ -27,14 +27,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return torchrun.main(argv, preload=PRELOAD, read_config=lambda: config_from_argv(args))
 
 
-def launch_local(nproc_per_node: int, module_args: Sequence[str], cfg=None, threads=None) -> int:
-    """hpctrain.launcher.torchrun.launch_local with the workers' imports: for the commands that call it here until
-    they call the launcher themselves (issue 39)."""
-    from hpctrain.commands.train import PRELOAD
-
-    return torchrun.launch_local(nproc_per_node, module_args, cfg, threads, preload=PRELOAD)
-
-
 if __name__ == "__main__":
     from hpctrain.process_exit import run_and_exit
 
