@@ -4,66 +4,22 @@ loop on the same model, in one process and one run. Prints a table.
     python benchmarks/ddpm_throughput.py [--device auto|cuda|cpu] [--micro 64,128] [--steps 50] [--warmup 10]
                                          [--repeats 5] [--modes eager,graphed] [--compile] [--json PATH]
 
-For each step mode (--modes: eager, compiled, graphed, graphed-compiled; default eager,graphed on CUDA, eager on the
-CPU; --compile alone means --modes compiled) and each micro batch (the micro batch is the global batch: one process,
-no accumulation), two loops train the U-Net of Ho et al. (35.7M parameters at the defaults, 32x32 images), both with
-the same technique:
+For each step mode (--modes: eager, compiled, graphed, graphed-compiled) and micro batch (= the global batch: one
+process), two loops train the U-Net of Ho et al. with the same technique: "plain", a hand-written torch loop (for a
+graphed mode captured by hand), and "hpctrain", hpctrain's own loop on its ddpm_cifar10 context with nothing turned
+off but validation, logging and checkpoints. Both are warmed up (compilation falls there), then timed in --repeats
+windows of --steps steps, alternating, synchronised only at a window's ends; medians [min, max]. Columns: images/s,
+ms/step, host ms (enqueue time), GFLOP/image (FlopCounterMode), TFLOP/s, % of the dense bf16 peak, peak GiB,
+hpctrain vs plain. A second table prices drawing per-sample noise by position (hpctrain.data.positional).
 
-  plain     a hand-written torch loop: images as uint8 on the GPU, a permutation per epoch, random flips on the
-            GPU, L_simple (GaussianDiffusion.training_losses) with torch.randint/torch.randn draws, bf16
-            autocast, channels_last, fused AdamW with the reference's linear warm-up, gradient clipping at 1.0
-            and an EMA of the weights (hpctrain.train.ema.EMA, as hpctrain's loop), optionally torch.compile.
-            Graphed: the same step captured by hand with torch.cuda.graph as one would write it (eager warm-up on
-            a side stream; the batch, flips, timesteps and noise drawn outside the graph and copied into static
-            buffers; fused AdamW with capturable=True and a tensor learning rate moved by the scheduler; clipping
-            and the EMA, with a tensor weight, inside).
-  hpctrain  hpctrain's own loop (hpctrain.train.loop.train) on hpctrain's context for ddpm_cifar10 with
-            model.source=fixture, data.on_device=true, train.precision=bf16, train.channels_last=true (or
-            false with --no-channels-last), train.cudnn_benchmark=off (as the plain loop), train.step_mode per mode (graphed-compiled: graphed with train.compile=true): its heartbeat, stop
-            vote, BatchInfo draws, loss window, scheduler, clipping and EMA included. No validation, outputs, logging or checkpoints within the timed steps
-            (eval.every_steps and log.every_steps huge, outputs off; the checkpoint a launch saves when it ends
-            is replaced by a no-op). Each timed window is one call of the loop (train.stop_at_step moved on),
-            so it also pays the loop's start (the epoch order and flip uniforms drawn again).
-
-Both loops are built and warmed up (--warmup steps; compilation happens there), then timed in --repeats
-windows of --steps steps each, plain and hpctrain alternating (plain first in even repeats, hpctrain first in
-odd ones) so that machine noise hits both; torch.cuda.synchronize only at the ends of a window. Medians over
-the repeats, [min, max] beside them.
-
-Columns:
-  images/s     training images per second on this one device (micro x steps / window time).
-  ms/step      time of one optimizer step (median window).
-  GFLOP/image  forward + backward of one training step counted by torch.utils.flop_counter.FlopCounterMode on
-               the real model (uncompiled, same micro batch), per image (about 37 at 32x32 is the expected order).
-  TFLOP/s      GFLOP/image x images/s.
-  % peak       TFLOP/s over the device's dense bf16 peak (hpctrain.perf.peaks); '-' where the table has none.
-  peak GiB     this loop's own resident memory between steps (weights, optimizer state, EMA, the data on the
-               GPU) plus the most torch.cuda.max_memory_allocated rose above the allocated memory at the start of
-               one of its timed windows (activations, gradients, workspaces). Both loops live in one process; this
-               way neither counts the other's memory.
-  host ms      the host's time to enqueue one step (the window's time before its closing synchronisation, per
-               step). Equal to ms/step: the host bounds the step (or waited for the GPU inside it); below: the
-               GPU does.
-  vs plain     hpctrain's images/s over the plain loop's in the same mode, median of the per-repeat ratios (the
-               repeats' two windows ran back to back).
-
-The second table is the price of drawing per-sample noise by position (hpctrain.data.positional): per
-micro-batch hpctrain draws the timesteps and the noise of the blocks of 64 positions its samples fall in (in
-the reference run's global batch of 384), each from a generator seeded by (seed, step, block), where a plain
-loop draws torch.randint and torch.randn of its 64. Timed alone, per step, in a loop with a synchronisation at
-each end.
-
-Without CUDA (or with --device cpu) this is a smoke test: a tiny U-Net (ch 16, ch_mult (1, 2), 16x16), fp32,
-micro batch 8, a handful of steps. Its numbers say nothing about GPU throughput; the header says so.
+Without CUDA (or with --device cpu) this is a smoke test (a tiny U-Net, fp32): its numbers say nothing about a GPU.
+benchmarks/throughput.md gives the method and each column in full; the harness is throughput_common.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
-import datetime
-import json
 import statistics
 import sys
 import tempfile
@@ -80,17 +36,15 @@ from hpctrain.config.schema import RunConfig
 from hpctrain.experiments.base import BatchInfo
 from hpctrain.experiments.ddpm.diffusion import GaussianDiffusion
 from hpctrain.perf.peaks import dense_peak
-from hpctrain.perf.provenance import source_commit
 from hpctrain.train.ema import EMA
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is no package: the shared helpers beside us
-from throughput_common import (HpctrainLoop, ReplayedPlain, allocated, device_name, gib, release,  # noqa: E402
-                               spread, sync, timed_window, warm_libraries)
+from throughput_common import (HpctrainLoop, ReplayedPlain, add_device_argument,  # noqa: E402
+                               add_window_arguments, allocated, device_name, gib, log, peak_of, quiet_run_overrides,
+                               release, report_environment, resolve_device, spread, sync, timed_window, title_line,
+                               warm_libraries, windows, write_json)
 
-ROOT = Path(__file__).resolve().parent.parent
 EXPERIMENT = "ddpm_cifar10"
-HUGE = 10**9
-"""Steps that are never reached: eval.every_steps, log.every_steps, train.max_steps."""
 GPU_SAMPLES = 50_000
 """Generated training images on the GPU: CIFAR-10's training-set size (150 MB of uint8)."""
 CPU_SAMPLES = 256
@@ -152,10 +106,7 @@ def overrides(s: Settings, micro: int, run_dir: str, mode: str = "eager") -> lis
         f"train.channels_last={'true' if s.channels_last else 'false'}",
         "train.cudnn_benchmark=off",  # as the plain loop runs (hpctrain's auto turns it on for a graphed step)
         f"train.step_mode={step_mode}", f"train.compile={'true' if mode == 'graphed-compiled' else 'false'}",
-        f"train.global_batch_size={micro}", f"train.micro_batch_size={micro}", f"train.max_steps={HUGE}",
-        f"eval.every_steps={HUGE}", f"log.every_steps={HUGE}", "log.outputs_every_steps=0",
-        "log.outputs_every_epochs=0", "log.progress=off", "log.tensorboard=false", "log.plots=false",
-        "ckpt.every_steps=0", "ckpt.every_minutes=0", f"run.dir={run_dir}",
+        *quiet_run_overrides(micro, run_dir),
     ]
     return out + (list(CPU_MODEL) if s.smoke else [])
 
@@ -390,13 +341,11 @@ def draw_summary(times: dict[str, list[float]], table: list[dict[str, Any]]) -> 
 
 def header(s: Settings, params: int, cfg: RunConfig) -> list[str]:
     o = cfg.model
-    torch_text = f"torch {torch.__version__}" + (f" (CUDA {torch.version.cuda})" if s.cuda else "")
     model = (f"U-Net {params / 1e6:.2f}M parameters (ch {o.ch}, ch_mult {tuple(o.ch_mult)}, "
              f"{o.num_res_blocks} res blocks, {o.image_size}x{o.image_size}, dropout {o.dropout:g})")
     mode = (("bf16 autocast" if s.cuda else "fp32") + (", channels_last" if s.channels_last else ", NCHW")
             + ", modes " + ", ".join(s.modes))
-    lines = [f"# DDPM throughput ({EXPERIMENT}): {device_name(s.device)} | {torch_text} | "
-             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC | commit {source_commit(ROOT) or '-'}",
+    lines = [title_line(f"DDPM throughput ({EXPERIMENT})", device_name(s.device), s.cuda),
              f"# {model}; {mode}; one process, micro batch = global batch; {s.steps} steps x {s.repeats} "
              f"repeats after {s.warmup} warm-up, plain/hpctrain alternating; median [min, max]"]
     if s.smoke:
@@ -437,25 +386,12 @@ def render(s: Settings, head: list[str], table: list[dict[str, Any]], draws: dic
 # ---- main ----------------------------------------------------------------------------------------------------
 
 def settings(args: argparse.Namespace) -> Settings:
-    if args.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    elif args.device == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit("--device cuda: no CUDA device visible")
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = resolve_device(args.device)
     cuda = device.type == "cuda"
     micros = tuple(int(m) for m in args.micro.split(",") if m.strip()) if args.micro else ((64, 128) if cuda else (8,))
     if not micros or min(micros) < 1:
         raise SystemExit(f"--micro {args.micro!r}: give positive micro batch sizes, e.g. 64,128")
-    steps = args.steps if args.steps is not None else (50 if cuda else 3)
-    warmup = args.warmup if args.warmup is not None else (10 if cuda else 1)
-    repeats = args.repeats if args.repeats is not None else (5 if cuda else 2)
-    if steps < 1 or warmup < 1 or repeats < 1:
-        raise SystemExit("--steps, --warmup and --repeats must be at least 1")
+    steps, warmup, repeats = windows(args, (50, 10, 5) if cuda else (3, 1, 2))
     if args.modes:
         modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     else:
@@ -470,12 +406,9 @@ def settings(args: argparse.Namespace) -> Settings:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                   help="auto: CUDA when there is a device, else the CPU smoke test")
+    add_device_argument(p)
     p.add_argument("--micro", default="", metavar="M,...", help="micro batch sizes (default 64,128 on CUDA, 8 on CPU)")
-    p.add_argument("--steps", type=int, default=None, help="steps per timed window (default 50 on CUDA, 3 on CPU)")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up steps per loop (default 10 on CUDA, 1 on CPU)")
-    p.add_argument("--repeats", type=int, default=None, help="timed windows per loop (default 5 on CUDA, 2 on CPU)")
+    add_window_arguments(p, cpu_steps=3)
     p.add_argument("--modes", default="", metavar="MODE,...",
                    help=f"step modes, each a row pair ({', '.join(MODES)}; default eager,graphed on CUDA, eager on "
                         "the CPU); compilation and capture fall in the warm-up")
@@ -491,10 +424,6 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser().parse_args(argv)
     s = settings(args)
-
-    def log(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
-
     results, params, cfg = [], 0, None
     for mode in s.modes:
         for micro in s.micros:
@@ -507,14 +436,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     draws = draw_summary(measure_draws(s, (o.channels, o.image_size, o.image_size), o.timesteps, log), table)
     head = header(s, params, cfg)
     print(render(s, head, table, draws), end="", flush=True)
-    peak = dense_peak(device_name(s.device)) if s.cuda else None
-    report = {"header": head, "device": device_name(s.device), "torch": torch.__version__,
-              "cuda": torch.version.cuda if s.cuda else None,
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "commit": source_commit(ROOT) or "-", "smoke": s.smoke, "modes": list(s.modes), "parameters": params,
-              "peak": dataclasses.asdict(peak) if peak is not None else None, "rows": table, "draws": draws}
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    name = device_name(s.device)
+    report = {"header": head, **report_environment(name, s.cuda), "smoke": s.smoke, "modes": list(s.modes),
+              "parameters": params, "peak": peak_of(name, s.cuda), "rows": table, "draws": draws}
+    write_json(args.json, report)
     return report
 
 

@@ -7,82 +7,20 @@ table.
                                             [--smoke] [--compile | --no-compile] [--e2e cpu,gpu] [--faces 5000]
                                             [--workers -1] [--workdir DIR] [--json PATH]
 
-For each batch (the batch is the global batch: one process, no accumulation), on DeepLabV3+ (ResNet-101, output
-stride 16, ASPP and decoder 256 channels, 19 classes: 59.3M parameters at the defaults) at 256x256:
-
-  plain         a hand-written torch loop: uint8 images and label maps on the device, a permutation per epoch,
-                /255 and ImageNet normalisation, channels_last, bf16 autocast, cross-entropy in fp32 (ignore
-                index 255), SGD (Nesterov momentum 0.9, weight decay 1e-4, the reference's lr 0.01 with its
-                linear warm-up), optionally torch.compile. No augmentation. With --step-mode graphed its step is
-                captured by hand (PlainGraphed: static batch slots, fused SGD with a tensor learning rate, torch's
-                side-stream warm-up), so both loops use the same technique. --no-channels-last: NCHW in both.
-  hpctrain      hpctrain's own loop (hpctrain.train.loop.train) on hpctrain's context for faceseg_celebamask with
-                the experiment's own train_loss (FaceSegExperiment: normalisation, channels_last, the loss over
-                labelled pixels) and parameter groups, data.on_device=true, data.augment=false, train.precision=bf16,
-                train.channels_last=true, train.cudnn_benchmark as --cudnn-benchmark sets it for both loops,
-                train.compile per --compile, model.init=scratch (the weights do not change
-                the speed; the pretrained file need not be there). The experiment has no on-device source, so the
-                benchmark subclasses it with build_datasets giving a TensorDataset of tensors like the plain loop's
-                (nothing else is changed). Heartbeat, stop vote, BatchInfo, loss window and scheduler included; no
-                validation, outputs, logging or checkpoints within the timed steps (eval.every_steps and
-                log.every_steps huge, outputs off, the checkpoint a launch saves when it ends replaced by a no-op).
-                Each timed window is one call of the loop (train.stop_at_step moved on), so it also pays the loop's
-                start (the device loader's epoch order).
-  e2e cpu-decode
-                hpctrain end-to-end from shards: the same model, batch and precision, model.source=shards, the
-                loader's workers decoding the JPEG and the label PNG, cropping (model.crop_scale), resizing and
-                flipping (data.augment=true, as the reference run), pinned host memory, the copy to the device.
-  e2e gpu-decode
-                the same with model.gpu_decode=true: the workers read bytes and decode and crop the (small) label
-                PNG; the JPEGs are decoded with nvJPEG and cropped, resized and flipped on the GPU inside the step.
-                On CUDA only by default (without CUDA, torchvision decodes on the CPU: the path runs, that is all).
-
-The face set for the end-to-end rows is generated (hpctrain.datasets.faces.make_faces, --faces faces at the model's
-size, masks at half of it, the standard 80/10/10 split) and sharded (`hpctrain shard --format celebamask --resize
-SIZE`, through hpctrain.data.shard_writer) before anything is timed, into --workdir (kept and reused when given)
-or a temporary folder.
-
-Model-only: both loops are built and warmed up (--warmup steps; compilation happens there), then timed in
---repeats windows of --steps steps each, plain and hpctrain alternating (plain first in even repeats, hpctrain
-first in odd ones) so that machine noise hits both; torch.cuda.synchronize only at the ends of a window.
-End-to-end: after the warm-up, the --repeats windows of one path run back to back, not alternated with other
-loops: a loader left idle while another loop runs fills its prefetch queue and would start its next window with
-batches for free. Its iterator is kept from one window to the next (as in a run, where the loader's pipeline
-starts once per epoch, not once per timed window); it starts afresh at each epoch of the generated set, so each
-epoch's pipeline fill is paid, more often than in the reference run (281 steps per epoch). Medians over the
-repeats, [min, max] beside them.
-
-Columns:
-  images/s     training images per second on this one device (batch x steps / window time).
-  ms/step      time of one optimizer step (median window).
-  GFLOP/image  forward + backward of one training step counted by torch.utils.flop_counter.FlopCounterMode on the
-               real model (uncompiled, same batch, same precision), per image. At the reference configuration
-               it counts 132.6 (44.3 forward; the backward about twice that, less the first convolution's input
-               gradient, which is not needed); the issue's rough estimate was 118. The same for every row of a
-               batch (the same model does the same work).
-  TFLOP/s      GFLOP/image x images/s.
-  % peak       TFLOP/s over the device's dense bf16 peak (hpctrain.perf.peaks); '-' where the table has none.
-  peak GiB     this loop's own resident memory between steps (weights, optimizer state, the data on the GPU)
-               plus the most torch.cuda.max_memory_allocated rose above the allocated memory at the start of one
-               of its timed windows (activations, gradients, workspaces); '-' on the CPU.
-  vs           hpctrain: its images/s over the plain loop's, median of the per-repeat ratios (the repeats' two
-               windows ran back to back). e2e: its median images/s over hpctrain model-only's at the same batch.
-
-Goals (one H100, reference configuration): model-only >= 2,000 images/s (27% of the H100 SXM's dense bf16 peak at
-132.6 GFLOP per image, 24% at the issue's 118), end-to-end >= 90% of model-only, hpctrain >= 0.97 x the plain loop;
-the table after the main one says which are met.
-
-Without CUDA (or with --device cpu) this is a smoke test: a small DeepLabV3+ (ResNet-18, ASPP and decoder 32
-channels, 64x64), fp32, batch 4, a handful of steps, a few dozen faces, no loader workers. --smoke picks these
-sizes on CUDA too. Its numbers say nothing about GPU throughput; the header says so.
+For each batch (= the global batch: one process) on DeepLabV3+ at 256x256, rows: "plain" (a hand-written torch loop,
+captured by hand under --step-mode graphed), "hpctrain" (its own loop, data on the device), and end to end from
+generated, sharded faces (--workdir keeps them): "e2e cpu-decode" (the loader's workers decode) and "e2e gpu-decode"
+(model.gpu_decode=true, nvJPEG). Model-only loops alternate window by window; end-to-end windows run back to back;
+medians [min, max]. A second table says which goals are met (one H100, reference configuration: model-only >= 2,000
+images/s, end to end >= 90% of it, hpctrain >= 0.97 x plain). Without CUDA (or with --smoke) a small model runs as
+a smoke test: its numbers say nothing about a GPU. benchmarks/throughput.md gives the method and each column in
+full; the harness is throughput_common.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
-import datetime
 import json
 import math
 import os
@@ -103,16 +41,14 @@ from torch.utils.flop_counter import FlopCounterMode
 from hpctrain.config.schema import RunConfig
 from hpctrain.experiments.faceseg.experiment import IGNORE_INDEX, MEAN, STD, FaceSegCelebAMask
 from hpctrain.perf.peaks import dense_peak
-from hpctrain.perf.provenance import source_commit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is no package: the shared helpers beside us
-from throughput_common import (HpctrainLoop, ReplayedPlain, allocated, device_name, gib, release,  # noqa: E402
-                               spread, timed_window, warm_libraries)
+from throughput_common import (HpctrainLoop, ReplayedPlain, add_device_argument,  # noqa: E402
+                               add_window_arguments, allocated, device_name, gib, log, peak_of, quiet_run_overrides,
+                               release, report_environment, resolve_device, spread, timed_window, title_line,
+                               warm_libraries, windows, write_json)
 
-ROOT = Path(__file__).resolve().parent.parent
 EXPERIMENT = "faceseg_celebamask"
-HUGE = 10**9
-"""Steps that are never reached: eval.every_steps, log.every_steps, train.max_steps."""
 NUM_CLASSES = 19
 MODEL_ONLY = ("plain", "hpctrain")
 E2E = {"cpu": "e2e cpu-decode", "gpu": "e2e gpu-decode"}
@@ -205,10 +141,7 @@ def overrides(s: Settings, batch: int, run_dir: str, path: str = "", shards: str
         # the benchmark's setting for both loops (hpctrain's auto would turn it on for a graphed step only)
         f"train.cudnn_benchmark={'on' if s.cudnn_benchmark else 'off'}",
         f"train.compile={'true' if s.compile else 'false'}", f"train.step_mode={step_mode_for(s, path)}",
-        f"train.global_batch_size={batch}", f"train.micro_batch_size={batch}", f"train.max_steps={HUGE}",
-        f"eval.every_steps={HUGE}", f"log.every_steps={HUGE}", "log.outputs_every_steps=0",
-        "log.outputs_every_epochs=0", "log.progress=off", "log.tensorboard=false", "log.plots=false",
-        "ckpt.every_steps=0", "ckpt.every_minutes=0", f"run.dir={run_dir}",
+        *quiet_run_overrides(batch, run_dir),
     ]
     if not path:
         return out + ["data.on_device=true", "data.augment=false", "data.num_workers=0"]
@@ -582,7 +515,6 @@ def goals(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def header(s: Settings, params: int, data: dict[str, Any] | None) -> list[str]:
-    torch_text = f"torch {torch.__version__}" + (f" (CUDA {torch.version.cuda})" if s.cuda else "")
     model = (f"DeepLabV3+ {s.backbone} {params / 1e6:.2f}M parameters, output stride {s.output_stride}, ASPP "
              f"{s.aspp} / decoder {s.decoder} channels, {NUM_CLASSES} classes, {s.size}x{s.size}")
     mode = (("bf16 autocast" if s.cuda else "fp32") + (", channels_last, " if s.channels_last else ", NCHW, ")
@@ -590,8 +522,7 @@ def header(s: Settings, params: int, data: dict[str, Any] | None) -> list[str]:
             + (" (both loops)" if s.step_mode == "graphed" else " (hpctrain)"))
     if s.cuda:
         mode += f", cudnn.benchmark {'on' if s.cudnn_benchmark else 'off'}"
-    lines = [f"# Face parsing throughput ({EXPERIMENT}): {s.name} | {torch_text} | "
-             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC | commit {source_commit(ROOT) or '-'}",
+    lines = [title_line(f"Face parsing throughput ({EXPERIMENT})", s.name, s.cuda),
              f"# {model}; {mode}; SGD (Nesterov momentum 0.9); one process, batch = global batch; {s.steps} steps x "
              f"{s.repeats} repeats after {s.warmup} warm-up; median [min, max]",
              f"# model-only: {s.samples:,} generated uint8 images + label maps on the device, no augmentation; "
@@ -662,16 +593,7 @@ def render(s: Settings, head: list[str], table: list[dict[str, Any]], goal_rows:
 # ---- main ----------------------------------------------------------------------------------------------------
 
 def settings(args: argparse.Namespace) -> Settings:
-    if args.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    elif args.device == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit("--device cuda: no CUDA device visible")
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = resolve_device(args.device)
     cuda = device.type == "cuda"
     smoke = bool(args.smoke) or not cuda
     model = dict(SMOKE if smoke else REFERENCE)
@@ -681,11 +603,7 @@ def settings(args: argparse.Namespace) -> Settings:
     batches = tuple(args.batches) if args.batches else ((16, 32) if not smoke else ((8,) if cuda else (4,)))
     if not batches or min(batches) < 1:
         raise SystemExit(f"--batches {args.batches}: give positive batch sizes, e.g. 16 32")
-    steps = args.steps if args.steps is not None else (50 if not smoke else (5 if cuda else 2))
-    warmup = args.warmup if args.warmup is not None else (10 if not smoke else (2 if cuda else 1))
-    repeats = args.repeats if args.repeats is not None else (5 if not smoke else 2)
-    if steps < 1 or warmup < 1 or repeats < 1:
-        raise SystemExit("--steps, --warmup and --repeats must be at least 1")
+    steps, warmup, repeats = windows(args, (50, 10, 5) if not smoke else ((5, 2, 2) if cuda else (2, 1, 2)))
     samples = args.samples if args.samples is not None else (2048 if not smoke else 4 * max(batches))
     if samples < max(batches):
         raise SystemExit(f"--samples {samples} is fewer than the largest batch, {max(batches)}")
@@ -717,13 +635,10 @@ def _step_mode(args: argparse.Namespace, cuda: bool) -> str:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                   help="auto: CUDA when there is a device, else the CPU smoke test")
+    add_device_argument(p)
     p.add_argument("--batches", type=int, nargs="+", default=None, metavar="B",
                    help="batch sizes per GPU (default 16 32 on CUDA, 4 for the CPU smoke test)")
-    p.add_argument("--steps", type=int, default=None, help="steps per timed window (default 50 on CUDA, 2 on CPU)")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up steps per loop (default 10 on CUDA, 1 on CPU)")
-    p.add_argument("--repeats", type=int, default=None, help="timed windows per loop (default 5 on CUDA, 2 on CPU)")
+    add_window_arguments(p, cpu_steps=2)
     p.add_argument("--smoke", action="store_true", help="the small smoke-test model and sizes, also on CUDA")
     p.add_argument("--backbone", choices=("resnet18", "resnet34", "resnet50", "resnet101"), default=None,
                    help="default resnet101 (resnet18 for the smoke test)")
@@ -765,10 +680,6 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser().parse_args(argv)
     s = settings(args)
-
-    def log(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
-
     if args.prepare_only:
         if not args.workdir:
             raise SystemExit("--prepare-only needs --workdir DIR: where the face set is kept for a later run")
@@ -802,18 +713,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     goal_rows = goals(table)
     head = header(s, params, data)
     print(render(s, head, table, goal_rows), end="", flush=True)
-    peak = dense_peak(s.name) if s.cuda else None
-    report = {"header": head, "device": s.name, "torch": torch.__version__,
-              "cuda": torch.version.cuda if s.cuda else None,
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "commit": source_commit(ROOT) or "-", "smoke": s.smoke, "reference": s.reference,
+    report = {"header": head, **report_environment(s.name, s.cuda), "smoke": s.smoke, "reference": s.reference,
               "compile": s.compile, "cudnn_benchmark": s.cudnn_benchmark, "precision": s.precision,
               "model": {"backbone": s.backbone, "size": s.size, "output_stride": s.output_stride, "aspp": s.aspp,
                         "decoder": s.decoder, "parameters": params},
               "samples": s.samples, "data": data,
-              "peak": dataclasses.asdict(peak) if peak is not None else None, "rows": table, "goals": goal_rows}
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+              "peak": peak_of(s.name, s.cuda), "rows": table, "goals": goal_rows}
+    write_json(args.json, report)
     return report
 
 

@@ -1,18 +1,115 @@
-"""What the throughput benchmarks (ddpm_throughput.py, faceseg_throughput.py) share: hpctrain's loop driven
-window by window in this process, timed windows with their memory, and the table's small formatters.
+"""The one throughput harness ddpm_throughput.py and faceseg_throughput.py share: the device and the timing
+flags, hpctrain's quiet one-process config, hpctrain's loop driven window by window in this process, timed windows
+with their memory, the table's small formatters and the JSON report's common fields. Each script keeps only what is
+its experiment's own: its model and data set-up, its plain loop and its rows.
 benchmarks/ is not a package: the scripts put their own folder on sys.path to import this."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import datetime
 import gc
+import json
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from hpctrain.config.schema import RunConfig
+from hpctrain.perf.peaks import dense_peak
+from hpctrain.perf.provenance import source_commit
+
+ROOT = Path(__file__).resolve().parent.parent
+HUGE = 10**9
+"""Steps that are never reached: eval.every_steps, log.every_steps, train.max_steps."""
+
+
+# ---- command line -------------------------------------------------------------------------------------------
+
+def add_device_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="auto: CUDA when there is a device, else the CPU smoke test")
+
+
+def add_window_arguments(p: argparse.ArgumentParser, cpu_steps: int) -> None:
+    """--steps, --warmup, --repeats: how long each loop is timed (defaults by device, resolved in windows())."""
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"steps per timed window (default 50 on CUDA, {cpu_steps} on CPU)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps per loop (default 10 on CUDA, 1 on CPU)")
+    p.add_argument("--repeats", type=int, default=None, help="timed windows per loop (default 5 on CUDA, 2 on CPU)")
+
+
+def resolve_device(choice: str) -> torch.device:
+    """--device: auto is CUDA when there is a device; a CUDA device always has its index."""
+    if choice == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    elif choice == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device visible")
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def windows(args: argparse.Namespace, defaults: tuple[int, int, int]) -> tuple[int, int, int]:
+    """(steps, warmup, repeats) from the flags, else ``defaults``; each at least 1."""
+    steps, warmup, repeats = (given if given is not None else default
+                              for given, default in zip((args.steps, args.warmup, args.repeats), defaults))
+    if steps < 1 or warmup < 1 or repeats < 1:
+        raise SystemExit("--steps, --warmup and --repeats must be at least 1")
+    return steps, warmup, repeats
+
+
+def log(line: str) -> None:
+    """Progress to stderr: stdout holds the table alone."""
+    print(line, file=sys.stderr, flush=True)
+
+
+# ---- hpctrain's config --------------------------------------------------------------------------------------
+
+def quiet_run_overrides(batch: int, run_dir: str) -> list[str]:
+    """One process at ``batch`` (global = micro, no accumulation) that never stops, validates, logs or saves on
+    its own: the harness drives its steps."""
+    return [
+        f"train.global_batch_size={batch}", f"train.micro_batch_size={batch}", f"train.max_steps={HUGE}",
+        f"eval.every_steps={HUGE}", f"log.every_steps={HUGE}", "log.outputs_every_steps=0",
+        "log.outputs_every_epochs=0", "log.progress=off", "log.tensorboard=false", "log.plots=false",
+        "ckpt.every_steps=0", "ckpt.every_minutes=0", f"run.dir={run_dir}",
+    ]
+
+
+# ---- the report ---------------------------------------------------------------------------------------------
+
+def title_line(title: str, name: str, cuda: bool) -> str:
+    """The table's first line: what, on which device and torch, when, at which commit."""
+    torch_text = f"torch {torch.__version__}" + (f" (CUDA {torch.version.cuda})" if cuda else "")
+    return (f"# {title}: {name} | {torch_text} | "
+            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC | commit {source_commit(ROOT) or '-'}")
+
+
+def report_environment(name: str, cuda: bool) -> dict[str, Any]:
+    """The JSON report's fields every throughput benchmark has: device, torch, CUDA, date, commit."""
+    return {"device": name, "torch": torch.__version__, "cuda": torch.version.cuda if cuda else None,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": source_commit(ROOT) or "-"}
+
+
+def peak_of(name: str, cuda: bool) -> dict[str, Any] | None:
+    """The device's dense peak (hpctrain.perf.peaks) as the report stores it; None on the CPU or if unknown."""
+    peak = dense_peak(name) if cuda else None
+    return dataclasses.asdict(peak) if peak is not None else None
+
+
+def write_json(path: str, report: dict[str, Any]) -> None:
+    if path:
+        Path(path).write_text(json.dumps(report, indent=1) + "\n")
 
 
 def sync(device: torch.device) -> None:
