@@ -39,10 +39,10 @@ from hpctrain.perf.peaks import dense_peak
 from hpctrain.train.ema import EMA
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is no package: the shared helpers beside us
-from throughput_common import (HpctrainLoop, ReplayedPlain, add_device_argument,  # noqa: E402
-                               add_window_arguments, allocated, device_name, gib, log, peak_of, quiet_run_overrides,
-                               release, report_environment, resolve_device, spread, sync, timed_window, title_line,
-                               warm_libraries, windows, write_json)
+from throughput_common import (HpctrainLoop, ReplayedPlain, add_device_argument, alternate_windows,  # noqa: E402
+                               add_window_arguments, allocated, device_name, gib, log, paired_ratio, peak_fraction,
+                               peak_of, quiet_run_overrides, release, report_environment, resolve_device, spread, sync,
+                               title_line, warm_libraries, window_rates, windows, write_json)
 
 EXPERIMENT = "ddpm_cifar10"
 GPU_SAMPLES = 50_000
@@ -254,12 +254,7 @@ def measure_micro(s: Settings, micro: int, mode: str,
         measured["plain"].resident_bytes = after_plain - start
         measured["hpctrain"].resident_bytes = after_hpc - after_plain
         loops = {"plain": plain.run, "hpctrain": hpc.run}
-        for r in range(s.repeats):
-            for name in LOOPS if r % 2 == 0 else LOOPS[::-1]:
-                timed_window(loops[name], s.steps, s.device, measured[name])
-                t = measured[name].seconds[-1]
-                log(f"  {mode}, micro {micro}, repeat {r + 1}: {name} {1e3 * t / s.steps:.2f} ms/step, "
-                    f"{micro * s.steps / t:,.1f} images/s")
+        alternate_windows(loops, measured, micro, s.steps, s.repeats, s.device, log, f"{mode}, micro {micro}")
         del plain, hpc, loops
     release(s.device, mode.endswith("compiled"))
     return measured, flops, params
@@ -306,13 +301,13 @@ def rows(s: Settings, results: list[tuple[dict[str, Measured], int]]) -> list[di
     peak = dense_peak(device_name(s.device)) if s.cuda else None
     out = []
     for measured, flops in results:
-        plain_rates = [measured["plain"].micro * s.steps / t for t in measured["plain"].seconds]
+        plain_rates = window_rates(measured["plain"].micro, measured["plain"].seconds, s.steps)
         for name in LOOPS:
             m = measured[name]
-            rates = [m.micro * s.steps / t for t in m.seconds]
+            rates = window_rates(m.micro, m.seconds, s.steps)
             per_image = flops / m.micro
             tflops = [per_image * r / 1e12 for r in rates]
-            fraction = statistics.median(tflops) / peak.tflops if peak is not None and peak.dtype == "bf16" else None
+            fraction = peak_fraction(statistics.median(tflops), peak, "bf16")
             out.append({
                 "loop": name, "mode": m.mode, "micro": m.micro, "steps": s.steps, "repeats": s.repeats,
                 "window_s": m.seconds, "images_per_s": rates, "images_per_s_median": statistics.median(rates),
@@ -323,7 +318,7 @@ def rows(s: Settings, results: list[tuple[dict[str, Measured], int]]) -> list[di
                 "peak_fraction": fraction,
                 "peak_memory_bytes": m.resident_bytes + m.transient_bytes if s.cuda else None,
                 "resident_bytes": m.resident_bytes if s.cuda else None,
-                "vs_plain": statistics.median(a / b for a, b in zip(rates, plain_rates)),
+                "vs_plain": paired_ratio(rates, plain_rates),
             })
     return out
 

@@ -43,10 +43,11 @@ from hpctrain.experiments.faceseg.experiment import IGNORE_INDEX, MEAN, STD, Fac
 from hpctrain.perf.peaks import dense_peak
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is no package: the shared helpers beside us
-from throughput_common import (HpctrainLoop, ReplayedPlain, add_device_argument,  # noqa: E402
-                               add_window_arguments, allocated, device_name, gib, log, peak_of, quiet_run_overrides,
-                               release, report_environment, resolve_device, spread, timed_window, title_line,
-                               warm_libraries, windows, write_json)
+from throughput_common import (HpctrainLoop, ReplayedPlain, add_device_argument, alternate_windows,  # noqa: E402
+                               add_window_arguments, allocated, device_name, gib, log, log_window, median_ratio,
+                               paired_ratio, peak_fraction, peak_of, quiet_run_overrides, release, report_environment,
+                               resolve_device, spread, timed_window, title_line, warm_libraries, window_rates, windows,
+                               write_json)
 
 EXPERIMENT = "faceseg_celebamask"
 NUM_CLASSES = 19
@@ -383,11 +384,6 @@ class PlainGraphed(ReplayedPlain):
         p.optimizer.step()
 
 
-def _log_window(log: Callable[[str], None], name: str, batch: int, r: int, seconds: float, steps: int) -> None:
-    log(f"  batch {batch}, repeat {r + 1}: {name} {1e3 * seconds / steps:.2f} ms/step, "
-        f"{batch * steps / seconds:,.1f} images/s")
-
-
 def measure_model_only(s: Settings, batch: int, log: Callable[[str], None]) -> tuple[dict[str, Measured], int, int]:
     """Both model-only loops at one batch; returns (measured, FLOP per step, parameters)."""
     measured = {name: Measured(name, batch) for name in MODEL_ONLY}
@@ -411,10 +407,7 @@ def measure_model_only(s: Settings, batch: int, log: Callable[[str], None]) -> t
         measured["plain"].resident_bytes = after_plain - start
         measured["hpctrain"].resident_bytes = after_hpc - after_plain
         loops = {"plain": plain.run, "hpctrain": hpc.run}
-        for r in range(s.repeats):
-            for name in MODEL_ONLY if r % 2 == 0 else MODEL_ONLY[::-1]:
-                timed_window(loops[name], s.steps, s.device, measured[name])
-                _log_window(log, name, batch, r, measured[name].seconds[-1], s.steps)
+        alternate_windows(loops, measured, batch, s.steps, s.repeats, s.device, log, f"batch {batch}")
         del plain, hpc, loops
     release(s.device, s.compile)
     return measured, flops, params
@@ -433,7 +426,7 @@ def measure_e2e(s: Settings, batch: int, path: str, shards: Path, log: Callable[
         m.resident_bytes = allocated(s.device) - start
         for r in range(s.repeats):
             timed_window(hpc.run, s.steps, s.device, m)
-            _log_window(log, name, batch, r, m.seconds[-1], s.steps)
+            log_window(log, f"batch {batch}", name, batch, r, m.seconds[-1], s.steps)
         starts = hpc.ctx.train_loader.starts
         del hpc
     release(s.device, s.compile)
@@ -444,26 +437,7 @@ def measure_e2e(s: Settings, batch: int, path: str, shards: Path, log: Callable[
 
 def rates(m: Measured, steps: int) -> list[float]:
     """Images per second of each timed window."""
-    return [m.batch * steps / t for t in m.seconds]
-
-
-def paired_ratio(a: list[float], b: list[float]) -> float:
-    """Median of the per-repeat ratios a[i] / b[i] (windows that ran back to back)."""
-    if not a or len(a) != len(b):
-        raise ValueError(f"paired_ratio needs two lists of one length, got {len(a)} and {len(b)}")
-    return statistics.median(x / y for x, y in zip(a, b))
-
-
-def median_ratio(a: list[float], b: list[float]) -> float:
-    """median(a) / median(b) (windows that did not run side by side)."""
-    return statistics.median(a) / statistics.median(b)
-
-
-def peak_fraction(tflops: float, peak: Any, precision: str) -> float | None:
-    """tflops over the dense peak when the peak is of the precision measured, else None."""
-    if peak is None or peak.dtype != precision or not peak.tflops:
-        return None
-    return tflops / peak.tflops
+    return window_rates(m.batch, m.seconds, steps)
 
 
 def rows(s: Settings, results: list[tuple[dict[str, Measured], int]]) -> list[dict[str, Any]]:

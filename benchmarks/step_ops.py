@@ -5,10 +5,11 @@ step of hpctrain's own step (train/step.py) on the DDPM reference U-Net. Prints 
 
 On a GPU most operators that are not views launch one or more kernels (allocations such as empty_strided do not),
 each at some microseconds of host time: the count is what a host-bound step pays for, and it does not depend on the
-batch, so it is counted here, where no GPU is, at a small micro batch. Counted below autograd with a TorchDispatchMode (so the
-backward's operators are in, and composite operators appear as what they decompose into), over one whole call of
-the step (the batch cut from the on-device data, forward, backward, clipping, the fused AdamW, the scheduler, the
-EMA), after warm-up steps. bf16 autocast on the CPU stands in for the GPU's (its cast lists are close, not equal).
+batch, so it is counted here, where no GPU is, at a small micro batch. Counted below autograd with a
+TorchDispatchMode (so the backward's operators are in, and composite operators appear as what they decompose into),
+over one whole call of the step (the batch cut from the on-device data, forward, backward, clipping, the fused
+AdamW, the scheduler, the EMA), after warm-up steps. bf16 autocast on the CPU stands in for the GPU's (its cast
+lists are close, not equal).
 
 Rows:
   eager           the reference config (channels_last): what the GPU host launches today without capture.

@@ -85,6 +85,50 @@ def quiet_run_overrides(batch: int, run_dir: str) -> list[str]:
     ]
 
 
+def log_window(log: Callable[[str], None], what: str, name: str, batch: int, r: int, seconds: float,
+               steps: int) -> None:
+    """One timed window's progress line; ``what`` names the row's settings, e.g. 'batch 16'."""
+    log(f"  {what}, repeat {r + 1}: {name} {1e3 * seconds / steps:.2f} ms/step, "
+        f"{batch * steps / seconds:,.1f} images/s")
+
+
+def alternate_windows(loops: dict[str, Callable[[int], None]], measured: dict[str, Any], batch: int, steps: int,
+                      repeats: int, device: torch.device, log: Callable[[str], None], what: str) -> None:
+    """``repeats`` timed windows of ``steps`` steps per loop, the loops alternating (the first one first in even
+    repeats, the other in odd ones) so that machine noise hits both; each window's time into ``measured[name]``."""
+    names = tuple(loops)
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            timed_window(loops[name], steps, device, measured[name])
+            log_window(log, what, name, batch, r, measured[name].seconds[-1], steps)
+
+
+# ---- the rows' arithmetic -----------------------------------------------------------------------------------
+
+def window_rates(batch: int, seconds: list[float], steps: int) -> list[float]:
+    """Images per second of each timed window of ``steps`` steps at ``batch``."""
+    return [batch * steps / t for t in seconds]
+
+
+def paired_ratio(a: list[float], b: list[float]) -> float:
+    """Median of the per-repeat ratios a[i] / b[i] (windows that ran back to back)."""
+    if not a or len(a) != len(b):
+        raise ValueError(f"paired_ratio needs two lists of one length, got {len(a)} and {len(b)}")
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
+def median_ratio(a: list[float], b: list[float]) -> float:
+    """median(a) / median(b) (windows that did not run side by side)."""
+    return statistics.median(a) / statistics.median(b)
+
+
+def peak_fraction(tflops: float, peak: Any, precision: str) -> float | None:
+    """tflops over the dense peak when the peak is of the precision measured, else None."""
+    if peak is None or peak.dtype != precision or not peak.tflops:
+        return None
+    return tflops / peak.tflops
+
+
 # ---- the report ---------------------------------------------------------------------------------------------
 
 def title_line(title: str, name: str, cuda: bool) -> str:
