@@ -172,7 +172,7 @@ class DDPMCifar10(DDPMExperiment):
 
 class DDPMDigits(DDPMExperiment):
     """The same code on scikit-learn's digits at 16x16 with a 1.1M-parameter U-Net: trains on 2 CPU cores in
-    about 15 minutes, and its samples are recognisable digits (benchmarks/ddpm_digits_quality.py scores them)."""
+    about 15 minutes, and its samples are recognisable digits (tools/ddpm_digits_quality.py scores them)."""
 
     name = "ddpm_digits"
     defaults = {

@@ -7,7 +7,7 @@ Two experiments on the same code:
   are the pretrained variant (configs/faceseg_pretrained.toml: ImageNet backbone, 100 epochs);
   configs/faceseg_scratch.toml is the other (random init, 200 epochs, a higher learning rate).
 - ``faceseg``: a ResNet-18 DeepLabV3+ on generated faces (``hpctrain synth faces``) in the release layout: the
-  quality check that trains on 2 CPU cores (benchmarks/faceseg_quality.py).
+  quality check that trains on 2 CPU cores (tools/faceseg_quality.py).
 
 The validation metrics come from one 19 x 19 confusion matrix summed over batches and ranks
 (:mod:`hpctrain.metrics.segmentation` states the conventions), so they are exact for any number of processes.
