@@ -3,9 +3,9 @@
 index.json is what `hpctrain shard` writes and what other tools can read: a JSON list of shards with each sample's
 key and member offsets. Parsed into Python objects it costs about 100 bytes per sample in every rank, and a loader
 worker gets a pickled copy of it: at a million samples that is seconds of parsing per rank and hundreds of MB per
-process (benchmarks/archive/2026-11/index_startup.py measures it). Here the same content is a few flat numpy arrays written once
-as .npy files and opened with mmap: the page cache holds one copy per node, a worker receives only their folder's
-path, and opening them costs microseconds.
+process (benchmarks/archive/2026-11/index_startup.py measured it). Here the same content is a few flat numpy
+arrays written once as .npy files and opened with mmap: the page cache holds one copy per node, a worker receives
+only their folder's path, and opening them costs microseconds.
 
 The arrays live beside index.json (``.index-cache/``) when the shard folder is writable, else in a node-local
 folder under the temporary directory ($TMPDIR). They are rebuilt when index.json changes (its size and mtime are
