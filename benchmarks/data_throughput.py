@@ -63,7 +63,7 @@ def prepare(workdir: Path, images: int) -> tuple[Path, Path]:
     from PIL import Image
 
     from hpctrain.datasets.fixtures import pattern_image
-    from hpctrain.data.shard_writer import ShardRequest, write_shards as shard_command
+    from hpctrain.datasets.shard_writer import ShardRequest, write_shards as shard_command
 
     files, shards = workdir / "files", workdir / "shards"
     marker = workdir / f"ready_{images}"

@@ -146,7 +146,7 @@ def test_the_stop_vote_on_nccl_reduces_through_pinned_buffers(tmp_path: Path):
 def test_faceseg_from_shards_with_nvjpeg_bf16_channels_last_and_compile(tmp_path: Path):
     """The face-parsing GPU path end to end: shards, JPEGs decoded and cropped on the GPU, bf16, NHWC, compile."""
     from hpctrain.datasets.faces import make_faces
-    from hpctrain.data.shard_writer import ShardRequest, write_shards
+    from hpctrain.datasets.shard_writer import ShardRequest, write_shards
 
     faces = make_faces(tmp_path / "faces", 80, size=128, mask_size=64)
     shards = tmp_path / "shards"

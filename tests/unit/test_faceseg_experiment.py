@@ -28,7 +28,7 @@ def release(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def shards(release: Path, tmp_path_factory) -> Path:
-    from hpctrain.data.shard_writer import ShardRequest, write_shards
+    from hpctrain.datasets.shard_writer import ShardRequest, write_shards
 
     out = tmp_path_factory.mktemp("shards")
     assert write_shards(ShardRequest(source=release, out=out, format="celebamask", shard_size=1 << 20, resize=80)) == 0

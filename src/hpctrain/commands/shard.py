@@ -1,5 +1,5 @@
 """`hpctrain shard SOURCE OUT --format F`: pack a data set into WebDataset-format tar shards with an index
-(data/shard_writer.py), or with --index-only index shards another tool wrote."""
+(datasets/shard_writer.py), or with --index-only index shards another tool wrote."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     size = parse_size(args.shard_size)
     if size < 10_000:
         raise UserError(f"--shard-size {args.shard_size} is {size} bytes", "shards exist to be large; use e.g. 256MB to 1GB.")
-    from hpctrain.data.shard_writer import ShardRequest, write_shards
+    from hpctrain.datasets.shard_writer import ShardRequest, write_shards
 
     return write_shards(ShardRequest(Path(args.source), Path(args.out), args.format, size, args.resize, args.download,
                                      args.on_error, args.force))
