@@ -184,7 +184,7 @@ def verdict(rates: dict[str, float]) -> list[str]:
 
 
 def header(args: argparse.Namespace, info: dict[str, Any]) -> list[str]:
-    from hpctrain.perf.provenance import cpu_model
+    from hpctrain.provenance import cpu_model
 
     return [f"# faceseg_decode: {info['train_samples']} generated faces at {args.size}x{args.size} "
             f"({info['train_bytes'] / info['train_samples'] / 1e3:.1f} kB per sample in shards), {cpu_model()}, "

@@ -200,7 +200,7 @@ def render_profiled(results: dict[str, dict[str, Any]]) -> str:
 
 def header(args: argparse.Namespace) -> list[str]:
     model = "the smoke-test U-Net" if args.smoke else "the DDPM reference U-Net (35.7M parameters, 32x32)"
-    from hpctrain.perf.provenance import cpu_model
+    from hpctrain.provenance import cpu_model
 
     return [f"step_ops: {model}, micro batch {args.micro}, bf16 autocast, fused AdamW, EMA, grad clip; "
             f"torch {torch.__version__}, {cpu_model()}, "

@@ -21,7 +21,7 @@ import torch
 
 from hpctrain.config.schema import RunConfig
 from hpctrain.perf.peaks import dense_peak
-from hpctrain.perf.provenance import source_commit
+from hpctrain.provenance import source_commit
 
 ROOT = Path(__file__).resolve().parent.parent
 HUGE = 10**9

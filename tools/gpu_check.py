@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from hpctrain.perf.provenance import source_commit
+from hpctrain.provenance import source_commit
 from hpctrain.proctree import descendants, kill_tree
 
 ROOT = Path(__file__).resolve().parent.parent

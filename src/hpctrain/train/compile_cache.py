@@ -30,7 +30,7 @@ from typing import Iterator
 import torch
 
 from hpctrain.fault.run_lock import process_start
-from hpctrain.perf.provenance import cpu_model
+from hpctrain.provenance import cpu_model
 
 log = logging.getLogger("hpctrain")
 
