@@ -40,7 +40,7 @@ class Result:
 def run_hpctrain(args: list[str], timeout: float = 120, cwd: Path | None = None, env: dict | None = None) -> Result:
     """Run `python -m hpctrain ARGS` in its own session; on timeout kill the session and fail.
 
-    torchrun and its workers run in a session of their own (see dist/launcher.py) and die
+    torchrun and its workers run in a session of their own (see dist/parent_death.py) and die
     with their parent (PR_SET_PDEATHSIG), so killing ours takes the whole tree down."""
     # TESTS first (user experiments such as shard_experiment), then the caller's own path: a worktree on
     # PYTHONPATH must reach the subprocess, or it tests the editable install's tree instead.

@@ -21,7 +21,7 @@ def recent_log_lines(n: int = 20) -> list[str]:
 
 
 def forget_recent_lines() -> None:
-    """A worker forked from the launcher starts without the launcher's lines (dist/forked_workers)."""
+    """A worker forked from the launcher starts without the launcher's lines (launcher/forked_workers)."""
     _RECENT.clear()
 
 

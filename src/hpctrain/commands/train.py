@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # torch: `hpctrain --help` builds every command's parser with
     from hpctrain.experiments import Experiment
 
 # What a worker imports before its first step (the training loop; DCP and through it DTensor and SymPy): imported
-# once in the launcher when the workers are its forks (dist/forked_workers).
+# once in the launcher when the workers are its forks (launcher/forked_workers).
 PRELOAD = ("torch.distributed.checkpoint", "hpctrain.train.run")
 
 

@@ -58,8 +58,8 @@ class TrainSection:
     compiled backward). The first steps are slow while it compiles. A graph that fails to compile runs eagerly, with
     torch's warning in the log (dynamo's suppress_errors fallback), instead of ending the run."""
     step_mode: Literal["auto", "eager", "compiled", "graphed"] = "auto"
-    """Who runs the optimizer step (train/step.py). eager: Python launches every kernel. compiled: the model under
-    torch.compile (train.compile=true is the same). graphed: the whole step (forward, backward, gradient sync,
+    """Who runs the optimizer step (chosen in train/step_mode.py). eager: Python launches every kernel. compiled:
+    the model under torch.compile (train.compile=true is the same). graphed: the whole step (forward, backward, gradient sync,
     clipping, optimizer, EMA) captured once as a CUDA graph and replayed: one launch per step instead of thousands;
     GPUs only, bf16 or fp32, one process or DDP over NCCL; with train.compile=true the compiled kernels are what is
     captured. auto: graphed for one process on a GPU (several GPUs: opt-in until capture under DDP has run on several
