@@ -140,9 +140,10 @@ def test_the_launch_choices_follow_the_step_mode(monkeypatch):
     assert choose_launch(cfg, cuda_runtime(1), cls).cfg.train.channels_last is True
 
 
-def test_the_launch_choices_build_no_experiment(monkeypatch):
+def test_the_launch_choices_build_no_experiment(monkeypatch, caplog):
     """The experiment is built once, by the run, from the resolved config: the choices inspect the class's model
-    without running its __init__; a build_model that needs its own __init__'s state gets a full instance."""
+    without running its __init__ (on no rank: a user's __init__ may hold a collective); a build_model that needs its
+    own __init__'s state cannot be inspected, which the launch says, choosing NCHW."""
     monkeypatch.setattr("hpctrain.train.precision.auto_precision", lambda device: "bf16")
     monkeypatch.setattr("hpctrain.train.memory_format.broadcast_object", lambda obj, runtime: obj)
     ddpm, cfg = resolve("ddpm_cifar10", None, ())
@@ -164,7 +165,30 @@ def test_the_launch_choices_build_no_experiment(monkeypatch):
         def build_model(self) -> nn.Module:
             return nn.Sequential(nn.Linear(self.width, 8))
 
-    assert ModelSource(NeedsInit, cfg).build_model()[0].in_features == 8 and len(built) == 1
+    with caplog.at_level(logging.WARNING, logger="hpctrain"):
+        chosen = choose_launch(cfg, cuda_runtime(2), NeedsInit)
+    assert chosen.memory_format.channels_last is False and built == []
+    assert "could not build" in caplog.text and "train.channels_last=true or false" in caplog.text
+
+
+def test_an_experiment_that_sets_graphable_in_its_init_decides_the_step_mode(monkeypatch):
+    """graphable set by an __init__ (for some options) is the instance's word, as before the choices came first."""
+    from hpctrain.train.choices import with_instance_graphable
+
+    monkeypatch.setattr("hpctrain.train.precision.auto_precision", lambda device: "bf16")
+    monkeypatch.setattr("hpctrain.train.memory_format.broadcast_object", lambda obj, runtime: obj)
+    ddpm, cfg = resolve("ddpm_cifar10", None, ())
+    runtime = cuda_runtime(1)
+    choices = choose_launch(cfg, runtime, ddpm)
+    assert choices.step.mode == "graphed"
+
+    class NotHere(ddpm):
+        def __init__(self, cfg) -> None:
+            super().__init__(cfg)
+            self.graphable = False
+
+    assert with_instance_graphable(choices, NotHere(choices.cfg), runtime).step.mode != "graphed"
+    assert with_instance_graphable(choices, ddpm(choices.cfg), runtime) is choices
 
 
 def test_an_unresolved_auto_reads_as_nchw_not_as_a_true_string():

@@ -127,8 +127,9 @@ class Experiment(ABC):
     @abstractmethod
     def build_model(self) -> nn.Module:
         """A fresh model on the CPU (hpctrain moves, compiles and wraps it). train.channels_last=auto inspects it on
-        the meta device before the experiment is built, on an instance that has only cfg and options (a build_model
-        that needs more of its class's own __init__ is called on a full instance, built for that only)."""
+        the meta device before the experiment is built, on an instance that has only cfg and options: a build_model
+        that reads more of its class's own __init__ cannot be inspected, and the launch warns and uses NCHW (set
+        train.channels_last=true or false then)."""
 
     def init_weights(self, model: nn.Module) -> str | None:
         """Load initial (pretrained) weights into the fresh model from build_model, on the CPU, before it is

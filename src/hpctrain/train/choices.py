@@ -7,7 +7,7 @@ from its model built on the meta device by the class's own build_model (memory_f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hpctrain.config.schema import RunConfig
@@ -44,8 +44,10 @@ def choose_launch(cfg: RunConfig, runtime: Runtime, experiment_cls: type[Experim
 class ModelSource:
     """What resolve_memory_format inspects: the class's build_model, without the experiment, whose own __init__ then
     runs once, with the resolved config. build_model is called on an instance on which only Experiment's __init__
-    ran (cfg and options: what the protocol's build_model reads); a build_model that needs more of the class's own
-    __init__ gets a full instance, built for the inspection only."""
+    ran (cfg and options: what the protocol's build_model may read under train.channels_last=auto). One that needs
+    more of its class's own __init__ fails there, and the launch says so and uses NCHW (memory_format's warning):
+    a full instance built for the inspection would run the user's __init__ on the main rank alone, inside the meta
+    device, while the other ranks wait for the verdict."""
 
     def __init__(self, experiment_cls: type[Experiment], cfg: RunConfig) -> None:
         self.experiment_cls = experiment_cls
@@ -54,7 +56,14 @@ class ModelSource:
     def build_model(self) -> Any:
         bare = self.experiment_cls.__new__(self.experiment_cls)
         Experiment.__init__(bare, self.cfg)
-        try:
-            return bare.build_model()
-        except Exception:  # noqa: BLE001 - its own __init__'s state, or a real failure that a full instance repeats
-            return self.experiment_cls(self.cfg).build_model()
+        return bare.build_model()
+
+
+def with_instance_graphable(choices: LaunchChoices, experiment: Experiment, runtime: Runtime) -> LaunchChoices:
+    """The step mode again when the built experiment says ``graphable`` otherwise than its class (an __init__ that
+    sets it for some options): the instance decides, as it did before the choices came first. The memory format
+    chosen for the class's mode stays (the model is placed in it); at worst it is the other mode's faster one."""
+    if experiment.graphable == type(experiment).graphable:
+        return choices
+    step = choose_step_mode(choices.cfg, runtime, choices.precision, experiment.graphable)
+    return replace(choices, step=step)

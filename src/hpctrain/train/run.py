@@ -45,7 +45,7 @@ from hpctrain.train.ema import build_ema
 from hpctrain.train.evaluate import evaluate
 from hpctrain.train.optim import build_optimizer, build_scheduler
 from hpctrain.train.compile_cache import CompileCache, node_copy_removed
-from hpctrain.train.choices import LaunchChoices, choose_launch
+from hpctrain.train.choices import LaunchChoices, choose_launch, with_instance_graphable
 from hpctrain.train.graphed import release_step
 from hpctrain.train.step_mode import build_step, choose_step_mode
 from hpctrain.train.precision import resolve_precision
@@ -231,8 +231,9 @@ def run_training(cfg: RunConfig, runtime: Runtime, experiment_cls: type[Experime
     fault/run_lock.py), and this node's copy of the compile cache removed at the end (the run dir's packed one is
     what a later launch loads)."""
     choices = choose_launch(cfg, runtime, experiment_cls)
+    experiment = experiment_cls(choices.cfg)
+    choices = with_instance_graphable(choices, experiment, runtime)
     cfg = choices.cfg
-    experiment = experiment_cls(cfg)
     with hold_run_dir(Path(cfg.run_dir), runtime) as lock, \
             node_copy_removed(Path(cfg.run_dir), runtime.device, runtime.local_rank, cfg.train.compiled):
         return _train_holding_run_dir(choices, runtime, experiment, config_text, lock)
