@@ -132,6 +132,14 @@ def test_export_ships_the_ema_weights_and_they_load_into_a_fresh_model(tmp_path,
     fresh = scope["model"].state_dict()
     assert all(torch.equal(fresh[k], shipped[k]) for k in shipped)
 
+    # A card exported by an earlier version (it imported hpctrain.train.entry) still loads after the upgrade.
+    old = snippet.replace("from hpctrain import resolve_config", "from hpctrain.train.entry import resolve")
+    old = old.replace('resolve_config("ddpm_cifar10", "config.toml")', 'resolve("ddpm_cifar10", "config.toml", ())')
+    assert "hpctrain.train.entry" in old and "resolve_config" not in old
+    scope = {}
+    exec(old, scope)
+    assert all(torch.equal(scope["model"].state_dict()[k], shipped[k]) for k in shipped)
+
     # Again: the earlier export is replaced whole, nothing left beside it.
     export_run(run_dir)
     assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "config.toml", "export", "images",

@@ -35,10 +35,33 @@ def test_python_m_hpctrain_launch_runs_hpctrain_on_its_workers():
     assert code == 0 and "digits" in out, err
 
 
+def test_the_launch_program_reads_the_run_config_for_its_stop_line(tmp_path: Path):
+    """A rendered script's launch of a training that is preempted: the program reads the run's config from its
+    workers' command line (commands.train.config_from_argv), so it says the exit means "resume me" (and would send
+    the run's alerts); without the config it would pass the 75 on without a word."""
+    code, _, err = _run("hpctrain.launch", ["--standalone", "--nproc-per-node=1", "-m", "hpctrain", "train", "digits",
+                                            f"run.dir={tmp_path / 'run'}", "train.max_steps=20", "model.width=8",
+                                            "log.plots=false", "log.tensorboard=false"],
+                        env={"HPCTRAIN_FAULT": "signal:rank=0:step=2"})
+    assert code == 75 and "means: resume me" in err, err
+
+
 def test_python_m_hpctrain_dist_torchrun_main_is_still_the_launcher():
-    """Scripts rendered before the launcher moved to hpctrain.launch call this path."""
-    code, out, err = _run("hpctrain.dist.torchrun_main", ["--help"])
-    assert code == 0 and "--nproc-per-node" in out.replace("_", "-") and "--signals-to-handle" in out, err
+    """Scripts rendered before the launcher moved to hpctrain.launch call this path: it runs the same program."""
+    code, out, err = _run("hpctrain.dist.torchrun_main",
+                          ["--standalone", "--nproc-per-node=1", "-m", "hpctrain", "experiments"])
+    assert code == 0 and "digits" in out, err
+
+
+def test_module_paths_of_earlier_versions_still_import():
+    """Model cards exported before the reshaping load through hpctrain.train.entry; experiments copied from the
+    built-in ones import the outputs hook's type from hpctrain.train.outputs."""
+    from hpctrain import Outputs, resolve_config
+    from hpctrain.train.entry import resolve
+    from hpctrain.train.outputs import Outputs as OldOutputs
+
+    assert OldOutputs is Outputs
+    assert resolve("digits", None, ["train.max_steps=3"])[1] == resolve_config("digits", None, ("train.max_steps=3",))[1]
 
 
 def test_python_m_hpctrain_slurm_task_runs_hpctrain_with_the_node_monitors(tmp_path: Path):
