@@ -32,10 +32,21 @@ FORBIDDEN: tuple[tuple[str, str, str], ...] = (
     ("launcher", "experiments", "the launcher never imports user code"),
     ("checkpoint", "train", "checkpoints are read by export, sample and the launcher's checks without a loop"),
     ("checkpoint", "data", "a checkpoint holds the data order's counters, not the data engine"),
+    ("checkpoint", "fault", "the lock check reaches a save as a callable (commit_allowed), not an import"),
+    ("checkpoint", "monitor", "checkpoints are read where nothing is monitored (export, sample, submit's checks)"),
+    ("checkpoint", "slurm", "a checkpoint is the same under any scheduler"),
     ("experiments", "train", "an experiment is a description the loop runs, usable without it"),
     ("datasets", "experiments", "a data set reader serves any experiment"),
 )
 ENTRY_POINTS = frozenset(name for name, layer in LAYERS.items() if layer == 9)
+LAUNCHER_CEILING = 3
+"""The launcher (layer 6, beside train) imports nothing above the runtime, fault and monitor layers."""
+
+# Old module paths kept for what users already hold, each the one import that may run up (and only to its target):
+# model cards exported before the reshaping print `from hpctrain.train.entry import resolve`.
+COMPATIBILITY = {"train/entry.py": "hpctrain.resolution"}
+# Job scripts already rendered into run dirs call these programs; each only runs its new path (runpy, by name).
+PROGRAM_SHIMS = {"slurm/task.py": "hpctrain.srun_task", "dist/torchrun_main.py": "hpctrain.launch"}
 
 
 def unit_of(module: str) -> str:
@@ -55,13 +66,38 @@ def imported_modules(path: Path) -> list[tuple[int, str]]:
             continue
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names if alias.name.split(".")[0] == "hpctrain"]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
-                and node.module.split(".")[0] == "hpctrain":
+        elif isinstance(node, ast.ImportFrom) and node.level > 0:
+            raise AssertionError(f"{path}:{node.lineno}: a relative import; hpctrain names its modules in full")
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "hpctrain":
             found.append((node.lineno, node.module))
-            if node.module == "hpctrain":  # from hpctrain import commands
-                found += [(node.lineno, f"hpctrain.{a.name}") for a in node.names if (SRC / a.name).exists()
-                          or (SRC / f"{a.name}.py").exists()]
+            # from hpctrain.train import loop; from hpctrain import commands, resolve_config (the public API's)
+            found += [(node.lineno, target) for a in node.names
+                      if (target := _submodule(node.module, a.name)) is not None]
     return found
+
+
+def _submodule(package: str, name: str) -> str | None:
+    """The module that ``from package import name`` reaches beyond ``package`` itself, if any."""
+    folder = SRC.joinpath(*package.split(".")[1:])
+    if (folder / name).is_dir() or (folder / f"{name}.py").is_file():
+        return f"{package}.{name}"
+    if package == "hpctrain":
+        return PUBLIC_API.get(name)
+    return None
+
+
+def _public_api() -> dict[str, str]:
+    """hpctrain's lazily imported public names and their modules (``_PUBLIC`` in its __init__), read without
+    importing it."""
+    tree = ast.parse((SRC / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "_PUBLIC" \
+                or isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "_PUBLIC" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError("hpctrain/__init__.py has no _PUBLIC table")
+
+
+PUBLIC_API = _public_api()
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -80,11 +116,15 @@ def sources() -> list[Path]:
 
 
 def edges() -> list[tuple[Path, int, str, str]]:
-    """(file, line, importer unit, imported unit) for every import between two different units."""
+    """(file, line, importer unit, imported unit) for every import between two different units (a compatibility
+    module's import of its target left out: test_compatibility_modules_only_reach_their_target)."""
     found = []
     for path in sources():
         me = unit_of(module_name(path))
+        shim_target = COMPATIBILITY.get(str(path.relative_to(SRC)))
         for line, module in imported_modules(path):
+            if module == shim_target:
+                continue
             other = unit_of(module)
             if other not in (me, "__init__"):  # the package itself: __version__, imported by everyone anyway
                 found.append((path, line, me, other))
@@ -108,6 +148,25 @@ def test_named_rules(importer: str, forbidden: str, why: str):
     bad = [f"{p.relative_to(SRC)}:{line} imports {other}" for p, line, me, other in edges()
            if me == importer and other == forbidden]
     assert not bad, f"{importer} must not import {forbidden} ({why}):\n" + "\n".join(bad)
+
+
+def test_the_launcher_imports_nothing_above_the_runtime_fault_and_monitor_layers():
+    bad = [f"{p.relative_to(SRC)}:{line} imports {other} (layer {LAYERS[other]})" for p, line, me, other in edges()
+           if me == "launcher" and LAYERS[other] > LAUNCHER_CEILING]
+    assert not bad, "the launcher starts any worker program and imports no part of one:\n" + "\n".join(bad)
+
+
+def test_compatibility_modules_only_reach_their_target():
+    for name, target in COMPATIBILITY.items():
+        imports = {module for _, module in imported_modules(SRC / name)}
+        assert imports == {target}, f"{name} is a compatibility module: it imports {target} only, got {imports}"
+    for name, target in PROGRAM_SHIMS.items():
+        tree = ast.parse((SRC / name).read_text())
+        code = [node for node in tree.body if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))]
+        runs = [node.args[0].value for node in ast.walk(tree) if isinstance(node, ast.Call)
+                and getattr(node.func, "attr", "") == "run_module"]
+        assert len(code) == 1 and isinstance(code[0], ast.If) and runs == [target], \
+            f"{name} only runs {target} as __main__ (a job script's old path); move any code to {target}"
 
 
 def test_only_entry_points_import_the_commands():
@@ -176,6 +235,13 @@ def test_the_rules_catch_a_function_level_import_and_skip_type_checking(tmp_path
     sample.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from hpctrain.train.state import S\n"
                       "def f():\n    from hpctrain.train.step import T\n")
     assert imported_modules(sample) == [(5, "hpctrain.train.step")]
+
+
+def test_the_rules_see_submodules_and_the_public_api(tmp_path: Path):
+    sample = tmp_path / "m.py"
+    sample.write_text("from hpctrain.train import loop\nfrom hpctrain import resolve_config, __version__\n")
+    assert imported_modules(sample) == [(1, "hpctrain.train"), (1, "hpctrain.train.loop"), (2, "hpctrain"),
+                                        (2, "hpctrain.resolution")]
 
 
 def test_a_cycle_is_found():
