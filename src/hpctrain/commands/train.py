@@ -138,7 +138,7 @@ def _train_here(cls: type[Experiment], cfg: RunConfig, runtime: Runtime) -> int:
 
 
 def _evaluate_here(cls: type[Experiment], cfg: RunConfig, runtime: Runtime) -> int:
-    from hpctrain.train.run import run_evaluation
+    from hpctrain.train.checkpoint_eval import run_evaluation
 
     run_evaluation(cfg, runtime, cls, config_to_toml(cfg))
     return 0
