@@ -87,7 +87,7 @@ class StandInGraph:
 
 def context(mode: str, micro: int, smoke: bool, run_dir: str, extra: tuple[str, ...] = ()):
     from hpctrain.dist.runtime import single_process_runtime
-    from hpctrain.train import run
+    from hpctrain.train import optim, run
     from hpctrain.resolution import resolve_config as resolve
     from hpctrain.train.graphed import GraphedStep
 
@@ -98,9 +98,9 @@ def context(mode: str, micro: int, smoke: bool, run_dir: str, extra: tuple[str, 
                  f"train.global_batch_size={micro}", f"train.micro_batch_size={micro}", "train.max_steps=1000",
                  "log.progress=off", "log.tensorboard=false", f"run.dir={run_dir}", *(SMOKE if smoke else ()), *extra]
     cls, cfg = resolve("ddpm_cifar10", None, tuple(overrides))
-    build = run.build_optimizer
+    build = optim.build_optimizer
     # The fused optimizer, as a GPU run builds it (on the CPU hpctrain builds the foreach one).
-    with mock.patch.object(run, "build_optimizer", lambda *a, **k: build(*a, **(k | {"fused": True}))):
+    with mock.patch.object(optim, "build_optimizer", lambda *a, **k: build(*a, **(k | {"fused": True}))):
         ctx = run.build_context(cfg, single_process_runtime(torch.device("cpu")), cls(cfg), config_text="",
                                 write_run_dir=False, pretrained=False)
     if mode == "graphed":

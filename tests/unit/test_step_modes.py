@@ -163,12 +163,12 @@ def _state_tensors(ctx) -> list[torch.Tensor]:
 
 
 def _context(tmp_path, monkeypatch, *extra: str):
-    from hpctrain.train import run
+    from hpctrain.train import optim, run
     from hpctrain.train.choices import choose_launch
 
     # The fused optimizer, as on a GPU (its tensor learning rate and non-finite skip are what graphed relies on).
-    build = run.build_optimizer
-    monkeypatch.setattr(run, "build_optimizer", lambda *a, **k: build(*a, **(k | {"fused": True})))
+    build = optim.build_optimizer
+    monkeypatch.setattr(optim, "build_optimizer", lambda *a, **k: build(*a, **(k | {"fused": True})))
     cls, cfg = resolve_config("ddpm_cifar10", None, TINY + (f"run.dir={tmp_path}",) + extra)
     runtime = single_process_runtime(torch.device("cpu"))
     choices = choose_launch(cfg, runtime, cls)

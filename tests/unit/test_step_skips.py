@@ -12,7 +12,7 @@ import torch
 
 from hpctrain.errors import UserError, raised_on_every_rank
 from hpctrain.experiments.base import BatchInfo
-from hpctrain.train import loop, run
+from hpctrain.train import loop, optim, run
 from hpctrain.train.skips import SkipLedger, flag_reader
 from hpctrain.train.state import TrainState
 from hpctrain.train.graphed import GraphedStep
@@ -31,8 +31,8 @@ def _make(tmp_path, monkeypatch, mode: str, *extra: str):
     """eager-fused: the GPU's optimizer (a device flag skips it); eager-foreach: the CPU's (the host decides);
     graphed: the captured step, replayed by the stand-in."""
     if mode == "eager-foreach":
-        build = run.build_optimizer
-        monkeypatch.setattr(run, "build_optimizer", lambda *a, **k: build(*a, **(k | {"fused": False})))
+        build = optim.build_optimizer
+        monkeypatch.setattr(optim, "build_optimizer", lambda *a, **k: build(*a, **(k | {"fused": False})))
     ctx = _context(tmp_path / mode, monkeypatch, *extra)
     if mode == "graphed":
         ctx.stepper = GraphedStep(warmup=2, graph_class=host_replay(ctx))

@@ -186,7 +186,7 @@ class Checkpointer:
         if error:
             _raise_if_failed(SaveOutcome(step, error, is_io), self.root)
         meta = {"experiment": self.experiment, "epoch": int(info["epoch"]), "world_size": self.runtime.world_size,
-                "strategy": self.strategy, "parts": sorted(["model", "optim"] + (["ema"] if stateful.get("ema") is not None else []))}
+                "strategy": self.strategy, "parts": sorted(["model", "optim"] + (["ema"] if dcp_state.has_ema(stateful) else []))}
         state_json = dict(info) | {"world_size": self.runtime.world_size, "strategy": self.strategy}
         return _Save(step, Path(tmp), small, rngs, state_json, meta)
 
@@ -317,11 +317,11 @@ class Checkpointer:
 
     def _load(self, chosen: _Chosen, stateful: Mapping[str, Any]) -> Resumed:
         path, info = chosen.path, chosen.info
-        ema = stateful.get("ema")
-        start_ema = ema is not None and "ema" not in chosen.parts  # optim.ema_decay turned on at this resume
+        full = stateful
+        start_ema = dcp_state.has_ema(stateful) and "ema" not in chosen.parts  # EMA turned on at this resume
         if start_ema:
-            stateful = {**stateful, "ema": None}
-        elif ema is None and "ema" in chosen.parts and self.runtime.is_main:
+            stateful = dcp_state.without_ema(stateful)
+        elif not dcp_state.has_ema(stateful) and "ema" in chosen.parts and self.runtime.is_main:
             log.warning("checkpoint %s holds EMA weights, but optim.ema_decay=0: they are not carried on (this run "
                         "validates and saves the training weights only); resume with optim.ema_decay>0 to keep them",
                         path)
@@ -341,7 +341,7 @@ class Checkpointer:
         _fit(lambda: dcp_state.apply_tensor_state(stateful, template), path, self.config_text)
         self._load_small(chosen, stateful)
         if start_ema:
-            _start_ema(ema, stateful["model"], path, int(info["step"]), self.runtime.is_main)
+            _start_emas(full, path, int(info["step"]), self.runtime.is_main)
         saved_world = int(info["world_size"])
         rng = self._own_rng(path) if saved_world == self.runtime.world_size else None
         saved_strategy = info.get("strategy", "ddp")
@@ -408,10 +408,13 @@ class Checkpointer:
 
     def _load_small(self, chosen: _Chosen, stateful: Mapping[str, Any]) -> None:
         small = self._read(chosen.path, dcp_state.TRAIN_FILE)
-        stateful["scheduler"].load_state_dict(small["scheduler"])
-        _load_scaler(stateful["scaler"], small["scaler"], chosen.path, self.runtime.is_main)
-        if stateful.get("ema") is not None:
-            stateful["ema"].n_averaged.fill_(int(small.get("ema_n_averaged", 1)))
+        if "optimizers" in stateful:
+            self._load_named(chosen.path, small, stateful)
+        else:
+            stateful["scheduler"].load_state_dict(small["scheduler"])
+            _load_scaler(stateful["scaler"], small["scaler"], chosen.path, self.runtime.is_main)
+            if stateful.get("ema") is not None:
+                stateful["ema"].n_averaged.fill_(int(small.get("ema_n_averaged", 1)))
         if stateful.get("experiment") is not None:
             if "experiment" not in small:
                 if self.runtime.is_main:
@@ -419,6 +422,26 @@ class Checkpointer:
                                 "any): the experiment's state starts fresh", chosen.path)
             else:
                 stateful["experiment"].load_state_dict(small["experiment"])
+
+    def _load_named(self, path: Path, small: dict[str, Any], stateful: Mapping[str, Any]) -> None:
+        """Several optimizers' schedulers and scalers, EMA counts and registered objects, each by its name. A name
+        this run has and the checkpoint lacks (or the other way) is a run that does not fit the checkpoint."""
+        for kind, saved_key in (("schedulers", "schedulers"), ("scalers", "scalers"), ("objects", "objects")):
+            live, saved = stateful.get(kind, {}), small.get(saved_key, {})
+            if set(live) != set(saved):
+                raise on_every_rank(UserError(
+                    f"checkpoint '{path}' holds the {kind} {sorted(saved)}, this run registers {sorted(live)}",
+                    "register the same objects under the same names as the run that saved it (a name added or "
+                    "removed changes what resumes), or start a new run.dir."))
+            for name, obj in live.items():
+                if kind == "scalers":
+                    _load_scaler(obj, saved[name], path, self.runtime.is_main)
+                else:
+                    _fit(lambda obj=obj, state=saved[name]: obj.load_state_dict(state), path, self.config_text)
+        counts = small.get("ema_n_averaged", {})
+        for name, ema in stateful.get("emas", {}).items():
+            if name in counts:
+                ema.n_averaged.fill_(int(counts[name]))
 
     def _choose(self, resume: str) -> _Chosen | None:
         """Rank 0 picks and verifies, and reads state.json; the verdict (the choice, or an error) is broadcast."""
@@ -533,11 +556,17 @@ def _unreadable(path: Path, name: str, error: str) -> UserError:
 INFO_FIELDS = ("step", "epoch", "step_in_epoch", "samples_seen", "world_size")
 
 
-def _start_ema(ema: Any, model: nn.Module, path: Path, step: int, is_main: bool) -> None:
+def _start_emas(stateful: Mapping[str, Any], path: Path, step: int, is_main: bool) -> None:
     """optim.ema_decay > 0 on a checkpoint saved without an EMA: the EMA starts from the restored weights (its first
-    update, a copy), as a run that turned it on at this step; validation and the shipped weights use it from now."""
-    ema.n_averaged.zero_()
-    ema.update_parameters(model)
+    update, a copy), as a run that turned it on at this step; validation and the shipped weights use it from now.
+    Several EMAs (``emas``) each start from their own model (``ema_models``, by the same name)."""
+    if "emas" in stateful:
+        pairs = [(ema, stateful["ema_models"][name]) for name, ema in stateful["emas"].items()]
+    else:
+        pairs = [(stateful["ema"], stateful["model"])]
+    for ema, model in pairs:
+        ema.n_averaged.zero_()
+        ema.update_parameters(model)
     if is_main:
         log.info("checkpoint %s holds no EMA weights (saved with optim.ema_decay=0): the EMA starts from the restored "
                  "weights at step %d", path, step)

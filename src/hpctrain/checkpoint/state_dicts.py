@@ -49,29 +49,68 @@ def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
 
+def optimizers_of(stateful: Mapping[str, Any]) -> list[torch.optim.Optimizer]:
+    """The run's optimizers: one (an Experiment's, under the key ``optimizer``) or several by name (``optimizers``:
+    a StepExperiment's, a session's), in a fixed order."""
+    if "optimizers" in stateful:
+        return list(stateful["optimizers"].values())
+    return [stateful["optimizer"]] if stateful.get("optimizer") is not None else []
+
+
+def ema_container(stateful: Mapping[str, Any]) -> nn.Module | None:
+    """The module whose state is the checkpoint's ``ema`` part: an Experiment's one EMA copy, or the EMA copies of
+    several models by name (an nn.ModuleDict, so each is named ``ema.<name>.<parameter>``); None without EMA."""
+    if "emas" in stateful:
+        emas = stateful["emas"]
+        return nn.ModuleDict({name: ema.module for name, ema in emas.items()}) if emas else None
+    ema = stateful.get("ema")
+    return ema.module if ema is not None else None
+
+
+def has_ema(stateful: Mapping[str, Any]) -> bool:
+    return bool(stateful.get("emas")) or stateful.get("ema") is not None
+
+
+def without_ema(stateful: Mapping[str, Any]) -> dict[str, Any]:
+    """The same run's state without its EMA copies (a resume whose checkpoint holds none starts them afresh)."""
+    return {**stateful, "ema": None, "emas": {}} if "emas" in stateful else {**stateful, "ema": None}
+
+
 def tensor_state(stateful: Mapping[str, Any]) -> dict[str, Any]:
     """The DCP state dict of a training run: model, optimizer and EMA tensors (EMA only when there is one).
 
-    Collective-free under every strategy (FSDP2's sharded state dict is local); it initialises the optimizer's
-    state with a zero step when empty (a fresh optimizer used as the template of a load), as torch's helper does."""
-    optimizer = stateful["optimizer"]
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        _copy_hyperparameters(optimizer.param_groups, optimizer.optim.param_groups)
-    model_sd, optim_sd = get_state_dict(stateful["model"], local_optimizer(optimizer), options=OPTIONS)
+    ``model`` is one module or an nn.ModuleDict of several (each named by its key); the optimizers' state is named
+    by parameter across all of them (each parameter belongs to one optimizer). Collective-free under every strategy
+    (FSDP2's sharded state dict is local); it initialises an optimizer's state with a zero step when empty (a fresh
+    optimizer used as the template of a load), as torch's helper does."""
+    optimizers = optimizers_of(stateful)
+    for optimizer in optimizers:
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            _copy_hyperparameters(optimizer.param_groups, optimizer.optim.param_groups)
+    model_sd, optim_sd = get_state_dict(stateful["model"], tuple(local_optimizer(o) for o in optimizers),
+                                        options=OPTIONS)
     state = {"model": model_sd, "optim": optim_sd}
-    if stateful.get("ema") is not None:
-        state["ema"] = get_model_state_dict(stateful["ema"].module)
+    ema = ema_container(stateful)
+    if ema is not None:
+        state["ema"] = get_model_state_dict(ema)
     return state
 
 
 def small_state(stateful: Mapping[str, Any]) -> dict[str, Any]:
-    """What rank 0 writes to train.pt: the same on every rank, small, loadable with weights_only."""
-    state: dict[str, Any] = {
-        "scheduler": stateful["scheduler"].state_dict(),
-        "scaler": stateful["scaler"].state_dict(),
-    }
-    if stateful.get("ema") is not None:
-        state["ema_n_averaged"] = int(stateful["ema"].n_averaged)
+    """What rank 0 writes to train.pt: the same on every rank, small, loadable with weights_only. An Experiment's
+    run: its scheduler and scaler; several optimizers: each one's scheduler and scaler by name, and the other
+    registered objects' state (``objects``)."""
+    if "optimizers" in stateful:
+        state: dict[str, Any] = {
+            "schedulers": {name: s.state_dict() for name, s in stateful["schedulers"].items()},
+            "scalers": {name: s.state_dict() for name, s in stateful["scalers"].items()},
+            "objects": {name: o.state_dict() for name, o in stateful.get("objects", {}).items()},
+            "ema_n_averaged": {name: int(e.n_averaged) for name, e in stateful.get("emas", {}).items()},
+        }
+    else:
+        state = {"scheduler": stateful["scheduler"].state_dict(), "scaler": stateful["scaler"].state_dict()}
+        if stateful.get("ema") is not None:
+            state["ema_n_averaged"] = int(stateful["ema"].n_averaged)
     if stateful.get("experiment") is not None:
         state["experiment"] = stateful["experiment"].state_dict()
     return state
@@ -104,15 +143,16 @@ def drop_unsaved_optimizer_state(stateful: Mapping[str, Any], template: dict[str
     dropped = [name for name in keys_by_param if name not in saved]
     if not dropped:
         return
-    inner = local_optimizer(stateful["optimizer"])
+    inners = [local_optimizer(o) for o in optimizers_of(stateful)]
     params = _params_by_name(stateful["model"])
     for name in dropped:
         for key in keys_by_param[name]:
             optim.pop(key)
-        if name in params:
-            # Emptied, not removed: an optimizer whose state is empty altogether (a zero1 rank whose partition is
-            # only such parameters) would get torch's zero step again inside set_state_dict.
-            inner.state[params[name]] = {}
+        for inner in inners:
+            if name in params and params[name] in inner.state:
+                # Emptied, not removed: an optimizer whose state is empty altogether (a zero1 rank whose partition
+                # is only such parameters) would get torch's zero step again inside set_state_dict.
+                inner.state[params[name]] = {}
 
 
 def _params_by_name(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -126,22 +166,25 @@ def _params_by_name(model: nn.Module) -> dict[str, nn.Parameter]:
 def apply_tensor_state(stateful: Mapping[str, Any], loaded: Mapping[str, Any]) -> None:
     """Put a loaded tensor_state() into the live objects (the template's tensors were filled in place by DCP; this
     copies them into parameters and optimizer state where the helpers need to, e.g. the optimizer's step counts)."""
-    optimizer = stateful["optimizer"]
-    inner = local_optimizer(optimizer)
+    optimizers = optimizers_of(stateful)
+    inners = [local_optimizer(o) for o in optimizers]
     # torch's set_state_dict fails (IndexError) on a parameter group without parameters, which ZeRO's partition
     # gives some ranks: load the groups that have parameters, then put the empty ones back in their places.
-    groups = inner.param_groups
-    inner.param_groups = [g for g in groups if g["params"]]
+    groups = [inner.param_groups for inner in inners]
+    for inner in inners:
+        inner.param_groups = [g for g in inner.param_groups if g["params"]]
     try:
-        set_state_dict(stateful["model"], inner, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"],
-                       options=OPTIONS)
+        set_state_dict(stateful["model"], tuple(inners), model_state_dict=loaded["model"],
+                       optim_state_dict=loaded["optim"], options=OPTIONS)
     finally:
-        filled = iter(inner.param_groups)
-        inner.param_groups = [next(filled) if g["params"] else g for g in groups]
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        _sync_outer_groups(optimizer)
+        for inner, original in zip(inners, groups):
+            filled = iter(inner.param_groups)
+            inner.param_groups = [next(filled) if g["params"] else g for g in original]
+    for optimizer in optimizers:
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            _sync_outer_groups(optimizer)
     if "ema" in loaded:
-        set_model_state_dict(stateful["ema"].module, loaded["ema"])
+        set_model_state_dict(ema_container(stateful), loaded["ema"])
 
 
 def _sync_outer_groups(zero: ZeroRedundancyOptimizer) -> None:

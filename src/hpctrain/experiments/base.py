@@ -148,8 +148,11 @@ class Experiment(ABC):
         return []
 
     @abstractmethod
-    def train_loss(self, model: nn.Module, batch: Any, info: BatchInfo) -> torch.Tensor:
-        """Mean loss of one micro-batch (already on the device). ``info`` may be left out of the signature
+    def train_loss(self, model: nn.Module, batch: Any, info: BatchInfo) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        """The loss of one micro-batch (already on the device): its mean over the micro-batch, or a pair ``(sum,
+        count)`` for a loss over a varying number of items per sample (tokens, frames): the gradient is then that
+        of the sum over the whole global batch divided by its count over the whole global batch (all micro-batches,
+        all ranks), the same for any micro-batch size and world size. ``info`` may be left out of the signature
         by experiments that draw nothing per sample."""
 
     def eval_stats(self, model: nn.Module, batch: Any, info: BatchInfo) -> Mapping[str, torch.Tensor]:
@@ -169,6 +172,24 @@ class Experiment(ABC):
         optim.lr x lr_scale under the common schedule (e.g. 0.1 for a pretrained backbone). Biases and norm
         weights get no weight decay in any group. None (default): one group."""
         return None
+
+    def build_optimizer(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        """The experiment's own optimizer (any ``torch.optim.Optimizer``), built from ``groups``: the parameter
+        groups hpctrain prepared from param_groups (each with ``params``, ``lr`` = optim.lr x lr_scale,
+        ``weight_decay`` (0 for biases and norm weights), ``lr_scale`` and ``name``), on their device and wrapped
+        (DTensor shards under fsdp). Override it to choose the optimizer; the config's optim.name, lr, betas,
+        momentum and weight_decay are then the experiment's to read. Not overridden: hpctrain's fused AdamW or SGD
+        from the config. Under dist.strategy=zero1 hpctrain rebuilds it per rank as
+        ``type(opt)(params, **opt.defaults)`` inside ZeroRedundancyOptimizer. A step of an optimizer of the
+        experiment's own runs eagerly (train.step_mode=auto says so; graphed is refused)."""
+        raise NotImplementedError  # never called: hpctrain builds its own unless a subclass overrides this
+
+    def build_scheduler(self, optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
+        """The learning-rate schedule: a ``torch.optim.lr_scheduler.LRScheduler`` of ``optimizer`` (stepped once
+        per optimizer step, its state checkpointed), or a function of the step (0-based) returning the factor of
+        each group's initial rate, which hpctrain runs as ``LambdaLR``. Not overridden: the config's (optim.schedule,
+        warmup_steps, min_lr_ratio, poly_power)."""
+        raise NotImplementedError  # never called: hpctrain builds its own unless a subclass overrides this
 
     def fsdp_blocks(self, model: nn.Module) -> list[nn.Module]:
         """The modules dist.strategy=fsdp shards one by one (each all-gathers its parameters for its own forward and
@@ -246,6 +267,16 @@ def call_eval_stats(experiment: Experiment, model: nn.Module, batch: Any, info: 
     if _takes_info(type(experiment).eval_stats):
         return experiment.eval_stats(model, batch, info)
     return experiment.eval_stats(model, batch)  # type: ignore[call-arg]
+
+
+def owns_optimizer(cls: type) -> bool:
+    """Whether an Experiment class builds its own optimizer (overrides build_optimizer)."""
+    return getattr(cls, "build_optimizer", Experiment.build_optimizer) is not Experiment.build_optimizer
+
+
+def owns_scheduler(cls: type) -> bool:
+    """Whether an Experiment class builds its own learning-rate schedule (overrides build_scheduler)."""
+    return getattr(cls, "build_scheduler", Experiment.build_scheduler) is not Experiment.build_scheduler
 
 
 def has_state(experiment: Experiment) -> bool:

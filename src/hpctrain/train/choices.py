@@ -12,7 +12,7 @@ from typing import Any
 
 from hpctrain.config.schema import RunConfig
 from hpctrain.dist.runtime import Runtime
-from hpctrain.experiments.base import Experiment
+from hpctrain.experiments.base import Experiment, owns_optimizer
 from hpctrain.train.memory_format import MemoryFormat, resolve_memory_format
 from hpctrain.train.precision import Precision, resolve_precision
 from hpctrain.train.step_mode import StepChoice, choose_step_mode
@@ -35,8 +35,10 @@ def choose_launch(cfg: RunConfig, runtime: Runtime, experiment_cls: type[Experim
     """The choices of this launch; collective under train.channels_last=auto (resolve_memory_format). The step mode
     reads the class's ``graphable`` (a ClassVar of the protocol)."""
     precision = resolve_precision(cfg.train.precision, runtime.device)
-    step = choose_step_mode(cfg, runtime, precision, experiment_cls.graphable) if training else \
-        StepChoice("eager", "evaluation runs no optimizer step")
+    if training:
+        step = choose_step_mode(cfg, runtime, precision, experiment_cls.graphable, owns_optimizer(experiment_cls))
+    else:
+        step = StepChoice("eager", "evaluation runs no optimizer step")
     resolved, memory_format = resolve_memory_format(cfg, runtime, ModelSource(experiment_cls, cfg), step.mode)
     return LaunchChoices(resolved, precision, step, memory_format)
 
@@ -65,5 +67,6 @@ def with_instance_graphable(choices: LaunchChoices, experiment: Experiment, runt
     chosen for the class's mode stays (the model is placed in it); at worst it is the other mode's faster one."""
     if experiment.graphable == type(experiment).graphable:
         return choices
-    step = choose_step_mode(choices.cfg, runtime, choices.precision, experiment.graphable)
+    step = choose_step_mode(choices.cfg, runtime, choices.precision, experiment.graphable,
+                            owns_optimizer(type(experiment)))
     return replace(choices, step=step)

@@ -28,7 +28,7 @@ from hpctrain.errors import UserError
 from hpctrain.experiments.base import BatchInfo
 from hpctrain.train.ema import ema_update
 from hpctrain.train.skips import not_finite
-from hpctrain.train.step import EagerStep, batch_info, fetch, micro_step
+from hpctrain.train.step import EagerStep, batch_info, fetch, micro_step, step_loss
 
 log = logging.getLogger("hpctrain")
 
@@ -243,6 +243,9 @@ class GraphedStep:
                                "its inputs, copied into it at each step")
         self.static = [tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, b) for b in micro]
         self.key = [batch_key(b) for b in self.static]  # once: every step compares its batches with these
+        if self.eager.token_loss:
+            raise CaptureError("train_loss returns (sum, count): the count is all-reduced between the backward passes "
+                               "and the optimizer, which is not captured yet")
         if len(self.eager.recording) != len(micro):
             raise CaptureError("no eager step ran before the capture (train.step_mode=graphed needs its warm-up)")
         self.infos = [StaticDraws(device, r.draws) for r in self.eager.recording]
@@ -366,7 +369,8 @@ class GraphedStep:
         batches = iter(micro)
         losses = [micro_step(ctx, next(batches), step, k, cache=False) for k in range(len(micro))]
         ctx.fault.heartbeat.mark("optimizer")
-        loss = torch.stack(losses).mean() if len(losses) > 1 else losses[0]
+        loss = step_loss(ctx, losses) if self.eager.token_loss else \
+            torch.stack(losses).mean() if len(losses) > 1 else losses[0]
         return loss, self.eager.finish(ctx, step)
 
 

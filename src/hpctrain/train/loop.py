@@ -14,7 +14,7 @@ from hpctrain.checkpoint.policy import save_due
 from hpctrain.dist.collectives import all_reduce_sums, broadcast_buffers, broadcast_object
 from hpctrain.dist.wrap import fsdp_of, place_model
 from hpctrain.errors import on_every_rank
-from hpctrain.experiments.base import has_outputs
+from hpctrain.experiments.base import has_outputs, owns_optimizer
 from hpctrain.fault.run_lock import lost_error
 from hpctrain.fault.signals import signal_name
 from hpctrain.monitor.gpu_busy import LOADER_BOUND, StepFacts, host_bound, host_bound_advice, open_meter
@@ -329,7 +329,8 @@ def step_facts(ctx: TrainContext) -> StepFacts:
     failed = getattr(stepper, "failed", "")
     replaying = getattr(stepper, "graph", None) is not None and not failed
     mode = "graphed" if replaying else "compiled" if cfg.train.compiled else "eager"
-    refusal = failed or graph_refusal(cfg, ctx.runtime, ctx.precision, ctx.experiment.graphable) or ""
+    refusal = failed or graph_refusal(cfg, ctx.runtime, ctx.precision, ctx.experiment.graphable,
+                                      owns_optimizer(type(ctx.experiment))) or ""
     return StepFacts(mode, refusal, ctx.runtime.distributed, cfg.dist.strategy != "fsdp", ctx.batches.grad_accum,
                      ctx.batches.micro_batch_size, cfg.data.on_device)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any, Mapping, Sequence
 
@@ -9,8 +10,10 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from hpctrain.config.schema import OptimSection
-from hpctrain.errors import UserError
+from hpctrain.config.schema import OptimSection, RunConfig
+from hpctrain.dist.runtime import Runtime
+from hpctrain.errors import UserError, on_every_rank
+from hpctrain.experiments.base import Experiment, owns_optimizer, owns_scheduler
 
 
 def build_optimizer(model: nn.Module, cfg: OptimSection, fused: bool = False,
@@ -22,27 +25,62 @@ def build_optimizer(model: nn.Module, cfg: OptimSection, fused: bool = False,
     None: one group of all parameters. ``zero`` (dist.strategy=zero1): torch's ZeroRedundancyOptimizer around
     the same optimizer and groups; each rank keeps the state of its partition of the parameters, steps it, and
     broadcasts its updated parameters."""
-    groups = _split_decay(check_groups(model, groups), cfg.weight_decay, cfg.lr)
+    groups = prepared_groups(model, cfg, groups)
     if cfg.name == "sgd":
         cls, kwargs = torch.optim.SGD, {"lr": cfg.lr, "momentum": cfg.momentum, "nesterov": cfg.momentum > 0,
                                         "fused": fused or None}
     else:
         cls, kwargs = torch.optim.AdamW, {"lr": cfg.lr, "betas": cfg.betas, "fused": fused or None}
-    if not zero:
-        return cls(groups, **kwargs)
+    return zero_redundancy(cls, kwargs, groups) if zero else cls(groups, **kwargs)
+
+
+def prepared_groups(model: nn.Module, cfg: OptimSection,
+                    groups: Sequence[Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """The parameter groups hpctrain gives an optimizer: the experiment's (or one), checked, each split into the
+    parameters that decay and those that do not (biases, norm weights), with its learning rate set."""
+    return _split_decay(check_groups(model, groups), cfg.weight_decay, cfg.lr)
+
+
+def zero_redundancy(cls: type, kwargs: Mapping[str, Any], groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    """torch's ZeroRedundancyOptimizer stepping ``cls(**kwargs)`` over ``groups``, each rank its partition."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     # ZeRO takes the first group at construction and the others through add_param_group (its documented way).
     groups = [g for g in groups if g["params"]]
     first, rest = groups[0], groups[1:]
     hyper = {k: v for k, v in first.items() if k in ("lr", "weight_decay")}  # what the optimizer class takes
-    optimizer = ZeroRedundancyOptimizer(first["params"], optimizer_class=cls, **(kwargs | hyper))
+    optimizer = ZeroRedundancyOptimizer(first["params"], optimizer_class=cls, **(dict(kwargs) | hyper))
     # hpctrain's own keys (lr_scale, name) on the group the scheduler and the logs read; ZeRO copies every key of
     # its groups into the inner optimizer's at each step.
     optimizer.param_groups[0].update({k: v for k, v in first.items() if k != "params"})
     for group in rest:
         optimizer.add_param_group(group)
     return optimizer
+
+
+def rebuilt_for_zero(optimizer: torch.optim.Optimizer, owner: str) -> torch.optim.Optimizer:
+    """A user's optimizer as dist.strategy=zero1 runs it: the same class, defaults and groups inside
+    ZeroRedundancyOptimizer (each rank builds and steps its partition). The optimizer must be fresh (no state yet)
+    and take its defaults back as keyword arguments, as torch's own and most others do. ``owner``: who built it,
+    for the message."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer
+    cls = type(optimizer)
+    hint = ("build it fresh (before any step) from arguments its class takes back as keywords, or use "
+            "dist.strategy=ddp or fsdp.")
+    if optimizer.state:
+        raise UserError(f"dist.strategy=zero1: the optimizer {cls.__name__} of {owner} already holds state", hint)
+    params = inspect.signature(cls.__init__).parameters
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    kwargs = {k: v for k, v in optimizer.defaults.items() if takes_any or k in params}
+    groups = [dict(g) for g in optimizer.param_groups]
+    try:
+        return zero_redundancy(cls, kwargs, groups)
+    except (TypeError, ValueError) as err:
+        raise UserError(f"dist.strategy=zero1: the optimizer {cls.__name__} of {owner} cannot be rebuilt per rank "
+                        f"inside ZeroRedundancyOptimizer ({type(err).__name__}: {err})", hint) from None
 
 
 def check_groups(model: nn.Module, groups: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]]:
@@ -109,3 +147,49 @@ def lr_factor(step: int, total_steps: int, cfg: OptimSection) -> float:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimSection, total_steps: int) -> LambdaLR:
     return LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, cfg))
+
+
+def as_scheduler(schedule: Any, optimizer: torch.optim.Optimizer, owner: str) -> Any:
+    """A user's schedule as a scheduler: an LRScheduler (anything with step, state_dict and load_state_dict) as it
+    is, a function of the step as LambdaLR. ``owner``: who built it, for the message."""
+    if all(callable(getattr(schedule, name, None)) for name in ("step", "state_dict", "load_state_dict")):
+        return schedule
+    if callable(schedule):
+        return LambdaLR(optimizer, schedule)
+    raise UserError(f"{owner} returned {type(schedule).__name__} as a learning-rate schedule",
+                    "return a torch.optim.lr_scheduler.LRScheduler of the optimizer, or a function step -> factor of "
+                    "the initial learning rate.")
+
+
+def experiment_optimizer(experiment: Experiment, raw: torch.nn.Module, cfg: RunConfig,
+                         runtime: Runtime) -> torch.optim.Optimizer:
+    """hpctrain's optimizer from the config, or the experiment's own (build_optimizer) from the same prepared
+    parameter groups; under zero1 either runs inside ZeroRedundancyOptimizer."""
+    zero = cfg.dist.strategy == "zero1" and runtime.distributed
+    groups = experiment.param_groups(raw)
+    if not owns_optimizer(type(experiment)):
+        return build_optimizer(raw, cfg.optim, fused=runtime.device.type == "cuda", groups=groups, zero=zero)
+    owner = f"{type(experiment).__name__}.build_optimizer"
+    optimizer = on_every_rank_if_user_error(lambda: experiment.build_optimizer(prepared_groups(raw, cfg.optim, groups)))
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise on_every_rank(UserError(f"{owner} returned {type(optimizer).__name__}, not a torch.optim.Optimizer",
+                                      "return an optimizer built from the groups it is given."))
+    return on_every_rank_if_user_error(lambda: rebuilt_for_zero(optimizer, owner)) if zero else optimizer
+
+
+def experiment_scheduler(experiment: Experiment, optimizer: torch.optim.Optimizer, cfg: RunConfig,
+                         total_steps: int):
+    """The config's schedule (LambdaLR of optim.schedule), or the experiment's own (build_scheduler)."""
+    if not owns_scheduler(type(experiment)):
+        return build_scheduler(optimizer, cfg.optim, total_steps)
+    owner = f"{type(experiment).__name__}.build_scheduler"
+    return on_every_rank_if_user_error(lambda: as_scheduler(experiment.build_scheduler(optimizer, total_steps),
+                                                            optimizer, owner))
+
+
+def on_every_rank_if_user_error(make):
+    """``make()``; a UserError it raises is every rank's (they all build the same objects from the same config)."""
+    try:
+        return make()
+    except UserError as err:
+        raise on_every_rank(err) from None

@@ -26,7 +26,7 @@ from hpctrain.dist.env import fault_injection_spec, requeue_id, stdout_is_termin
 from hpctrain.dist.runtime import Runtime
 from hpctrain.dist.wrap import place_model, unwrap_model, wrap_model
 from hpctrain.errors import UserError, on_every_rank, raised_on_every_rank
-from hpctrain.experiments.base import Datasets, Experiment
+from hpctrain.experiments.base import Datasets, Experiment, owns_optimizer, owns_scheduler
 from hpctrain.fault.alerts import Alerter, resolve_webhook
 from hpctrain.fault.heartbeat import Heartbeat, Watchdog, format_stuck, slow_phase_limit
 from hpctrain.fault.inject import build_injector
@@ -41,7 +41,7 @@ from hpctrain.metrics.sinks import build_metrics_logger
 from hpctrain.train import loop
 from hpctrain.train.context import FaultState, TrainContext
 from hpctrain.train.ema import build_ema
-from hpctrain.train.optim import build_optimizer, build_scheduler
+from hpctrain.train.optim import experiment_optimizer, experiment_scheduler
 from hpctrain.train.compile_cache import CompileCache, node_copy_removed
 from hpctrain.train.choices import LaunchChoices, choose_launch, with_instance_graphable
 from hpctrain.train.graphed import release_step
@@ -95,8 +95,7 @@ def build_context(
     wrapped = wrap_model(model, cfg, runtime, blocks=experiment.fsdp_blocks(model),
                          companions=(ema.module,) if ema is not None else (), param_dtype=fsdp_param_dtype(precision, runtime))
     raw = unwrap_model(wrapped)
-    optimizer = build_optimizer(raw, cfg.optim, fused=runtime.device.type == "cuda", groups=experiment.param_groups(raw),
-                                zero=cfg.dist.strategy == "zero1" and runtime.distributed)
+    optimizer = experiment_optimizer(experiment, raw, cfg, runtime)
     total_steps = cfg.train.max_steps or cfg.train.epochs * sampler.steps_per_epoch
     step_choice = choices.step if choices else choose_step_mode(cfg, runtime, precision, experiment.graphable)
     if runtime.device.type == "cuda":  # process-wide; the convolutions' algorithms are chosen at their first call
@@ -112,7 +111,7 @@ def build_context(
         model=wrapped,
         raw_model=raw,
         optimizer=optimizer,
-        scheduler=build_scheduler(optimizer, cfg.optim, total_steps),
+        scheduler=experiment_scheduler(experiment, optimizer, cfg, total_steps),
         scaler=precision.build_scaler(),
         stepper=build_step(step_choice),
         step_choice=step_choice,
@@ -252,8 +251,11 @@ def _train_holding_run_dir(choices: LaunchChoices, runtime: Runtime, experiment:
     try:
         built = hyperparameters(ctx.optimizer)  # this launch's: a restore loads the checkpoint's over them
         resumed = ctx.checkpointer.restore(cfg.ckpt.resume, ctx.stateful())
-        if resumed is not None:
+        # The config wins for hpctrain's own optimizer and schedule; an experiment's own resume as torch loads them.
+        config_owned = not (owns_optimizer(type(experiment)) or owns_scheduler(type(experiment)))
+        if resumed is not None and config_owned:
             apply_hyperparameters(ctx.optimizer, ctx.scheduler, built)  # the config wins, the state is kept
+        if resumed is not None:
             _restore_streams(ctx, resumed)
             ctx.state = _continue_from(ctx, resumed)
         if runtime.is_main:  # only now: a refused resume leaves the run dir's config as it was

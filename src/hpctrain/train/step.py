@@ -13,10 +13,12 @@ from typing import Any, Iterator
 import torch
 
 from hpctrain.dist.wrap import ddp_of, fsdp_of, full_value
+from hpctrain.errors import UserError, on_every_rank
 from hpctrain.experiments.base import BatchInfo, call_train_loss
 from hpctrain.train.device import to_device
 from hpctrain.train.ema import ema_step
 from hpctrain.train.skips import SkipLedger, flag_reader, not_finite
+from hpctrain.train.token_loss import TokenLoss, as_token_loss, global_mean, scale_gradients
 
 
 class EagerStep:
@@ -30,6 +32,9 @@ class EagerStep:
         self.cache = cache
         """Autocast's weight-cast cache; off in a graphed step's eager steps, as in its capture (a compiled model
         would otherwise see another autocast state there, and recompile during the capture)."""
+        self.token_loss = False
+        """train_loss returns (sum, count): the count's all-reduce sits between the backward passes and the
+        optimizer (a graphed step falls back to eager)."""
         self.skips = SkipLedger()
         """The steps skipped for a non-finite gradient (train/skips.py), read by the train record."""
         self.applied = False
@@ -44,14 +49,10 @@ class EagerStep:
         accum, step = ctx.batches.grad_accum, ctx.state.step
         if self.recording is not None:
             self.recording[:] = [RecordingInfo(batch_info(ctx, step, micro)) for micro in range(accum)]
-        if accum == 1:
-            # The usual case, without an accumulator tensor and its two ops per step: (0 + x) / 1 is x, bit for bit.
-            loss = micro_step(ctx, fetch(ctx, batches, window), step, 0, self._info(0), self.cache)
-        else:
-            loss_sum = torch.zeros((), device=ctx.runtime.device)
-            for micro in range(accum):
-                loss_sum += micro_step(ctx, fetch(ctx, batches, window), step, micro, self._info(micro), self.cache)
-            loss = loss_sum / accum
+        losses = [micro_step(ctx, fetch(ctx, batches, window), step, micro, self._info(micro), self.cache)
+                  for micro in range(accum)]
+        self.token_loss = self.token_loss or isinstance(losses[0], TokenLoss)
+        loss = step_loss(ctx, losses)
         ctx.fault.heartbeat.mark("optimizer")
         return loss, self.finish(ctx, step)
 
@@ -64,6 +65,27 @@ class EagerStep:
 
     def _info(self, micro: int) -> RecordingInfo | None:
         return None if self.recording is None else self.recording[micro]
+
+
+def step_loss(ctx, losses: list[torch.Tensor | TokenLoss]) -> torch.Tensor:
+    """This rank's mean loss of the step's micro-batches (on device, no sync); for (sum, count) losses the global sum
+    over the global count, after which the gradients are scaled to it (train/token_loss.py)."""
+    tokens = [loss for loss in losses if isinstance(loss, TokenLoss)]
+    if tokens:
+        if len(tokens) != len(losses):
+            raise on_every_rank(UserError(f"{type(ctx.experiment).__name__}.train_loss returned a mean for some "
+                                          "micro-batches and (sum, count) for others",
+                                          "return the same kind of loss for every micro-batch."))
+        loss, count = global_mean(tokens, ctx.runtime)
+        scale_gradients(ctx.raw_model.parameters(), count, ctx.runtime.world_size)
+        return loss
+    if len(losses) == 1:
+        # The usual case, without an accumulator tensor and its two ops per step: (0 + x) / 1 is x, bit for bit.
+        return losses[0]
+    loss_sum = torch.zeros((), device=ctx.runtime.device)
+    for loss in losses:
+        loss_sum += loss
+    return loss_sum / len(losses)
 
 
 def fetch(ctx, batches: Iterator, window) -> Any:
@@ -83,14 +105,20 @@ def batch_info(ctx, step: int, micro: int) -> BatchInfo:
                      plan.global_batch_size, ctx.cfg.run.seed)
 
 
-def micro_step(ctx, batch: Any, step: int, micro: int, info: Any = None, cache: bool = True) -> torch.Tensor:
-    """Forward and backward of micro-batch ``micro``; returns its loss, detached, in fp32."""
+def micro_step(ctx, batch: Any, step: int, micro: int, info: Any = None,
+               cache: bool = True) -> torch.Tensor | TokenLoss:
+    """Forward and backward of micro-batch ``micro``; returns its loss, detached, in fp32 (a TokenLoss for a loss
+    given as (sum, count))."""
     model, accum, hb = ctx.model, ctx.batches.grad_accum, ctx.fault.heartbeat
     with gradient_sync(model, micro == accum - 1):
         hb.mark("forward")
         with ctx.precision.autocast(cache=cache):
             loss = call_train_loss(ctx.experiment, model, batch, batch_info(ctx, step, micro) if info is None else info)
         hb.mark("backward")
+        token = as_token_loss(loss, f"{type(ctx.experiment).__name__}.train_loss")
+        if token is not None:  # the sum's gradient; scaled by the global count after the last micro-step
+            ctx.scaler.scale(token[0]).backward()
+            return TokenLoss(token[0].detach().float(), token[1])
         # loss is a micro-batch mean; / accum makes the accumulated gradient this rank's mean, and DDP averages over
         # ranks: the gradient of the mean over the global batch. Not divided by 1: an op per step for the same result.
         ctx.scaler.scale(loss / accum if accum > 1 else loss).backward()

@@ -33,8 +33,10 @@ class StepChoice:
         return text + ", cudnn.benchmark on" if self.cudnn_benchmark else text
 
 
-def graph_refusal(cfg: RunConfig, runtime: Runtime, precision: Precision, graphable: bool = True) -> str | None:
-    """Why the whole step cannot be captured here, or None when it can."""
+def graph_refusal(cfg: RunConfig, runtime: Runtime, precision: Precision, graphable: bool = True,
+                  own_optimizer: bool = False) -> str | None:
+    """Why the whole step cannot be captured here, or None when it can. ``own_optimizer``: the experiment builds its
+    optimizer itself (Experiment.build_optimizer)."""
     if runtime.device.type != "cuda":
         return "CUDA graphs need a GPU and this run is on the CPU"
     if precision.name == "fp16":
@@ -49,6 +51,9 @@ def graph_refusal(cfg: RunConfig, runtime: Runtime, precision: Precision, grapha
                 "replay their captured all-reduces")
     if runtime.distributed and cfg.dist.find_unused_parameters:
         return "dist.find_unused_parameters searches the graph on the host after every backward"
+    if own_optimizer:
+        return ("the experiment builds its own optimizer (build_optimizer): a captured step needs hpctrain's fused "
+                "AdamW or SGD, which read their learning rates and the non-finite skip from device tensors")
     if cfg.optim.name not in ("adamw", "sgd"):
         return f"optim.name={cfg.optim.name} has no fused implementation to capture"
     if not graphable:
@@ -56,13 +61,14 @@ def graph_refusal(cfg: RunConfig, runtime: Runtime, precision: Precision, grapha
     return None
 
 
-def choose_step_mode(cfg: RunConfig, runtime: Runtime, precision: Precision, graphable: bool = True) -> StepChoice:
+def choose_step_mode(cfg: RunConfig, runtime: Runtime, precision: Precision, graphable: bool = True,
+                     own_optimizer: bool = False) -> StepChoice:
     """train.step_mode resolved on this rank's device. auto: graphed on CUDA where the run allows it, in one process
     (with or without gradient accumulation: its GPU test passed on an H100, 2026-11-27); else compiled when
     train.compile=true, else eager. Capture under DDP over several GPUs follows torch's recipe but has not run on
     several GPUs yet: opt-in (train.step_mode=graphed) until it has. graphed where it cannot run: an error that says
     why."""
-    choice = _choose(cfg, runtime, precision, graphable)
+    choice = _choose(cfg, runtime, precision, graphable, own_optimizer)
     on = cudnn_benchmark(cfg, runtime, choice.mode)
     return replace(choice, cudnn_benchmark=on, cudnn_for_graph=on and cfg.train.cudnn_benchmark == "auto")
 
@@ -76,9 +82,9 @@ def cudnn_benchmark(cfg: RunConfig, runtime: Runtime, mode: str) -> bool:
     return setting == "on" or (setting == "auto" and mode == "graphed")
 
 
-def _choose(cfg: RunConfig, runtime: Runtime, precision: Precision, graphable: bool) -> StepChoice:
+def _choose(cfg: RunConfig, runtime: Runtime, precision: Precision, graphable: bool, own_optimizer: bool) -> StepChoice:
     requested = cfg.train.step_mode
-    refusal = graph_refusal(cfg, runtime, precision, graphable)
+    refusal = graph_refusal(cfg, runtime, precision, graphable, own_optimizer)
     if requested == "graphed":
         if refusal:
             raise UserError(f"train.step_mode=graphed: {refusal}",
