@@ -21,7 +21,7 @@ LAYERS: dict[str, int] = {
     "datasets": 4,
     "experiments": 5,
     **dict.fromkeys(("train", "perf", "export", "launcher"), 6),
-    **dict.fromkeys(("resolution", "sweep"), 7),
+    **dict.fromkeys(("resolution", "sweep", "userloop"), 7),
     "commands": 8,
     **dict.fromkeys(("cli", "__main__", "launch", "srun_task", "__init__"), 9),
 }

@@ -8,10 +8,12 @@ import hpctrain
 
 
 def test_each_public_name_imports_from_hpctrain():
-    from hpctrain import BatchInfo, Datasets, Experiment, Outputs, __version__, resolve_config  # noqa: F401
+    from hpctrain import (  # noqa: F401
+        BatchInfo, Datasets, Experiment, Outputs, Step, StepExperiment, __version__, resolve_config, session,
+    )
 
     assert sorted(hpctrain.__all__) == sorted(["__version__", "Experiment", "BatchInfo", "Datasets", "Outputs",
-                                               "resolve_config"])
+                                               "StepExperiment", "session", "Step", "resolve_config"])
     for name in hpctrain.__all__:
         assert getattr(hpctrain, name) is not None and name in dir(hpctrain)
 

@@ -57,8 +57,10 @@ def load_config(
     experiment_defaults: Mapping[str, Any] | None = None,
     config_file: str | Path | None = None,
     overrides: list[str] | tuple[str, ...] = (),
+    launch_settings: str | Path | None = None,
 ) -> RunConfig:
-    """Build the frozen RunConfig from all sources; raises UserError on any bad input."""
+    """Build the frozen RunConfig from all sources; raises UserError on any bad input. ``launch_settings``: a TOML
+    file above all of them, the settings hpctrain's command line gave a script it launched (hpctrain.session)."""
     values: dict[str, _Value] = {}
     for key, value in (experiment_defaults or {}).items():
         values[key] = _Value(value, "experiment defaults")
@@ -67,6 +69,8 @@ def load_config(
     for item in overrides:
         key, raw = _split_override(item)
         values[key] = _Value(None, "command line", raw)
+    if launch_settings is not None:
+        values.update(_read_toml(Path(launch_settings), experiment))
     return _build(experiment, model_class, values)
 
 

@@ -374,6 +374,10 @@ class SlurmSection:
     """Extra `doctor --perf` options for the pre-flight, e.g. ["--min-busbw", "20", "--max-size", "256MiB"]."""
 
 
+SCRIPT_PREFIX = "script:"
+"""RunConfig.experiment of a user's own script (a loop of its own, hpctrain.session): ``script:PATH``."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class NoModelOptions:
     """Placeholder [model] section for experiments without options."""
@@ -428,7 +432,12 @@ class RunConfig:
 
     @property
     def run_dir(self) -> str:
-        return self.run.dir or f"runs/{self.experiment.replace(':', '_').replace('.', '_')}"
+        if self.run.dir:
+            return self.run.dir
+        if self.experiment.startswith(SCRIPT_PREFIX):  # a user's own script: runs/train for script:path/train.py
+            stem = self.experiment[len(SCRIPT_PREFIX):].replace("\\", "/").rsplit("/", 1)[-1].removesuffix(".py")
+            return f"runs/{stem or 'script'}"
+        return f"runs/{self.experiment.replace(':', '_').replace('.', '_')}"
 
     @property
     def run_name(self) -> str:

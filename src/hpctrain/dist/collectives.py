@@ -37,6 +37,15 @@ def all_reduce_sums(stats: Mapping[str, torch.Tensor | float], runtime: Runtime)
     return dict(zip(names, packed.tolist()))
 
 
+def all_reduce_max(stats: Mapping[str, float], runtime: Runtime) -> dict[str, float]:
+    """The largest value of each named number over all ranks, in one collective (float64)."""
+    names = sorted(stats)
+    packed = torch.tensor([float(stats[n]) for n in names], dtype=torch.float64, device=runtime.device)
+    if runtime.distributed:
+        dist.all_reduce(packed, op=dist.ReduceOp.MAX)
+    return dict(zip(names, packed.tolist()))
+
+
 def all_reduce_tensors(stats: Mapping[str, torch.Tensor], runtime: Runtime) -> dict[str, torch.Tensor]:
     """Sum named tensors of any shapes (a confusion matrix, a histogram) over all ranks in one collective, in
     float64; returned on the CPU with their shapes. Every rank must pass the same names and shapes."""

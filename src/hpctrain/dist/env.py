@@ -398,3 +398,28 @@ def expand_path(value: str, key: str, environ: Mapping[str, str] | None = None) 
                         f"in the shell: ${{{name}:-/local/scratch}}.")
 
     return os.path.expanduser(_VARIABLE.sub(value_of, value))
+
+
+SESSION_SETTINGS = "HPCTRAIN_SETTINGS"
+"""A script launched by hpctrain (`hpctrain train|slurm submit --script`): the TOML file of the hpctrain settings its
+user gave (--config and key=value), which hpctrain.session() resolves above the script's own defaults."""
+RESUME_RECORD = "HPCTRAIN_RESUME_RECORD"
+"""`hpctrain check resume`: the folder each rank of the run it checks writes its per-step record into."""
+
+
+def session_settings(environ: Mapping[str, str] | None = None) -> str:
+    """The settings file of a script hpctrain launched ('' when the script was started otherwise)."""
+    return (os.environ if environ is None else environ).get(SESSION_SETTINGS, "")
+
+
+def resume_record_dir(environ: Mapping[str, str] | None = None) -> str:
+    """Where `hpctrain check resume` collects this run's per-step records ('' for a run it does not check)."""
+    return (os.environ if environ is None else environ).get(RESUME_RECORD, "")
+
+
+def script_name(argv: list[str] | None = None) -> str:
+    """The program a user's loop runs in (sys.argv[0]'s file name), naming a session started without hpctrain."""
+    import sys
+
+    program = (sys.argv if argv is None else argv)[0] if (sys.argv if argv is None else argv) else ""
+    return os.path.basename(program) or "session"

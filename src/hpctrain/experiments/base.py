@@ -283,8 +283,9 @@ def has_state(experiment: Experiment) -> bool:
     return type(experiment).state_dict is not Experiment.state_dict
 
 
-def has_outputs(experiment: Experiment) -> bool:
-    return type(experiment).outputs is not Experiment.outputs
+def has_outputs(experiment: Experiment | None) -> bool:
+    """Whether the run has an experiment whose outputs hook does something (a user's own loop has none)."""
+    return experiment is not None and type(experiment).outputs is not Experiment.outputs
 
 
 def _batch_len(batch: Any) -> int:

@@ -51,6 +51,8 @@ class StepVote:
         self._on_gpu = runtime.backend == "nccl"
         self.run_lock = None
         """Rank 0's RunLock (fault/run_lock.py), whose ``lost`` this rank casts; None on the other ranks."""
+        self._polled = 0
+        """A stop the ranks agreed on between two boundaries (poll): the next collect() says it too."""
 
     def cast(self, stop_signal: int, save_due: bool) -> None:
         lost = self.run_lock is not None and bool(self.run_lock.lost)
@@ -72,8 +74,27 @@ class StepVote:
         done.record()
         return back, done
 
+    def poll(self, stop_signal: int) -> int:
+        """Collective, and synchronous: the stop signal any rank has received by now (0: none), agreed at once, for a
+        loop that needs the answer before its next boundary (a long inner loop, a validation pass). The next
+        boundary acts on it, whatever its own vote says."""
+        flags = torch.tensor([_priority(stop_signal)], device=self.runtime.device if self._on_gpu else "cpu")
+        if self.runtime.distributed:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        agreed = _signal(flags.item())
+        self._polled = _stronger(self._polled, agreed)
+        return agreed
+
     def collect(self) -> Verdict:
-        """The verdict of the vote cast at the previous boundary (NOTHING if none is pending)."""
+        """The verdict of the vote cast at the previous boundary (NOTHING if none is pending), with a stop agreed by
+        poll() since then."""
+        verdict = self._collect()
+        if self._polled:
+            verdict = Verdict(_stronger(verdict.stop_signal, self._polled), verdict.save_due, verdict.lock_lost)
+            self._polled = 0
+        return verdict
+
+    def _collect(self) -> Verdict:
         if self._pending is None:
             return NOTHING
         flags, waitable = self._pending
@@ -83,7 +104,7 @@ class StepVote:
         elif waitable is not None:
             waitable.wait()  # type: ignore[attr-defined]  # gloo: the training group's timeout applies
         stop, due, lost = flags.tolist()
-        return Verdict(signal.SIGINT if stop == CTRL_C else int(stop), bool(due), bool(lost))
+        return Verdict(_signal(stop), bool(due), bool(lost))
 
 
 CTRL_C = 0.5
@@ -93,3 +114,12 @@ and another preempted by the cluster (SIGTERM, SIGHUP, the warning signal), all 
 
 def _priority(stop_signal: int) -> float:
     return CTRL_C if stop_signal == signal.SIGINT else float(stop_signal)
+
+
+def _signal(priority: float) -> int:
+    return signal.SIGINT if priority == CTRL_C else int(priority)
+
+
+def _stronger(a: int, b: int) -> int:
+    """The stop the vote's MAX would pick of two."""
+    return a if _priority(a) >= _priority(b) else b

@@ -43,13 +43,13 @@ class TrainContext:
     runtime: Runtime
     experiment: Experiment
     batches: BatchSizes
-    model: nn.Module
-    """What forward/backward run on: compiled and DDP-wrapped as configured."""
-    raw_model: nn.Module
+    model: nn.Module | None
+    """What forward/backward run on: compiled and DDP-wrapped as configured (None: several models, in objects)."""
+    raw_model: nn.Module | None
     """The plain module: checkpoints and evaluation."""
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | None
     scheduler: Any
-    scaler: torch.amp.GradScaler
+    scaler: torch.amp.GradScaler | None
     ema: nn.Module | None
     precision: Precision
     sampler: StepBatchSampler
@@ -71,6 +71,10 @@ class TrainContext:
     a second on a node without persistence mode)."""
     metrics: MetricsLogger = field(default_factory=lambda: MetricsLogger([]))
     """Replaced once the start step is known (after restore); silent until then."""
+    objects: Any = None
+    """Several models, optimizers, schedulers and EMAs by name (userloop/objects.py NamedObjects: a StepExperiment's
+    or a user loop's), in place of the one model, optimizer, scheduler, scaler and EMA above; None for an
+    Experiment."""
 
     @property
     def end_step(self) -> int:
@@ -80,16 +84,21 @@ class TrainContext:
 
     def stateful(self) -> dict[str, Any]:
         """What a checkpoint holds besides the train state and RNG."""
+        experiment = self.experiment if self.experiment is not None and has_state(self.experiment) else None
+        if self.objects is not None:
+            return self.objects.stateful(experiment)
         return {
             "model": self.raw_model,
             "optimizer": self.optimizer,
             "scheduler": self.scheduler,
             "scaler": self.scaler,
             "ema": self.ema,
-            "experiment": self.experiment if has_state(self.experiment) else None,
+            "experiment": experiment,
         }
 
     @property
     def shipped_model(self) -> nn.Module:
         """The weights a run ships, validates and samples from: the EMA ones when optim.ema_decay > 0."""
+        if self.objects is not None:
+            return self.objects.shipped()
         return self.ema.module if self.ema is not None else self.raw_model

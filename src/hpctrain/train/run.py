@@ -10,6 +10,7 @@ import signal
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -22,7 +23,9 @@ from hpctrain.data.loader import build_loader
 from hpctrain.data.sampler import EvalBatchSampler, OrderFn, StepBatchSampler
 from hpctrain.data.shard_local import RankLayout, data_order_warning, shard_local_summary
 from hpctrain.dist.collectives import barrier, broadcast_object
-from hpctrain.dist.env import fault_injection_spec, requeue_id, stdout_is_terminal, under_hpctrain_agent
+from hpctrain.dist.env import (
+    fault_injection_spec, requeue_id, session_settings, stdout_is_terminal, under_hpctrain_agent,
+)
 from hpctrain.dist.runtime import Runtime
 from hpctrain.dist.wrap import place_model, unwrap_model, wrap_model
 from hpctrain.errors import UserError, on_every_rank, raised_on_every_rank
@@ -249,44 +252,10 @@ def _train_holding_run_dir(choices: LaunchChoices, runtime: Runtime, experiment:
     ctx.fault.signals.install(stop_signal_names(cfg.fault.warning_signal))
     watchdog = _start_watchdog(ctx, alerter)
     try:
-        built = hyperparameters(ctx.optimizer)  # this launch's: a restore loads the checkpoint's over them
-        resumed = ctx.checkpointer.restore(cfg.ckpt.resume, ctx.stateful())
-        # The config wins for hpctrain's own optimizer and schedule; an experiment's own resume as torch loads them.
-        config_owned = not (owns_optimizer(type(experiment)) or owns_scheduler(type(experiment)))
-        if resumed is not None and config_owned:
-            apply_hyperparameters(ctx.optimizer, ctx.scheduler, built)  # the config wins, the state is kept
-        if resumed is not None:
-            _restore_streams(ctx, resumed)
-            ctx.state = _continue_from(ctx, resumed)
-        if runtime.is_main:  # only now: a refused resume leaves the run dir's config as it was
-            write_config(Path(cfg.run_dir), config_text)
-            if resumed is None:
-                for kept in set_aside_records(Path(cfg.run_dir)):
-                    log.warning("fresh start: %s held an earlier attempt's records (no checkpoint to resume); "
-                                "kept as %s, this run's start anew", cfg.run_dir, kept.name)
-        _announce(ctx, resumed, choices.memory_format.describe())
-        if cfg.train.compiled:  # before the first compiled step: a requeued job on another node does not compile again
-            ctx.compile_cache = CompileCache(Path(cfg.run_dir), runtime.device, runtime.is_main, runtime.local_rank)
-            ctx.compile_cache.load()
-        ctx.metrics = build_metrics_logger(
-            runtime.is_main, Path(cfg.run_dir), cfg.log.progress, cfg.log.tensorboard,
-            ctx.total_steps, ctx.state.step, stdout_is_terminal(),
-        )
-        if resumed is not None:  # where the report marks the resume (a stop by a signal has its own record)
-            ctx.metrics.log({"step": ctx.state.step, "split": "resume", "epoch": ctx.state.epoch,
-                             "checkpoint": resumed.path.name, "world_size": runtime.world_size,
-                             "saved_world_size": resumed.saved_world_size})
+        start_run(ctx, config_text, choices.memory_format.describe())
         result = loop.train(ctx)
     except BaseException as raised:
-        err = translate_error(raised)
-        ctx.fault.signals.uninstall()  # failing: the launcher's SIGTERM should now end this process at once
-        watchdog.stop("failed")
-        # Under hpctrain's torchrun wrapper the launcher reports the first failure once, for all ranks; without
-        # it (srun tasks) an error every rank raised together is rank 0's to report, not 512 posts.
-        if not under_hpctrain_agent() and not isinstance(err, KeyboardInterrupt) \
-                and (runtime.is_main or not raised_on_every_rank(err)):
-            alerter.send("failure", last_step=ctx.state.step, exit_code=1, detail=f"{type(err).__name__}: {err}",
-                         log_tail=recent_log_lines())
+        err = failed(raised, ctx.fault, watchdog, alerter, ctx.state.step, runtime)
         if err is not raised:
             raise err from None
         raise
@@ -294,6 +263,48 @@ def _train_holding_run_dir(choices: LaunchChoices, runtime: Runtime, experiment:
         ctx.checkpointer.drain()  # a failing run's background write ends (committed or not) before the lock is released
         ctx.metrics.close()
         release_step(ctx)
+    return conclude(ctx, result, watchdog, alerter, started)
+
+
+def start_run(ctx: TrainContext, config_text: str, layout: str) -> Resumed | None:
+    """Collective: restore the run from its checkpoint (or start it fresh), write its config, say what it is, and
+    open its metrics; returns what was resumed (None: a fresh start)."""
+    cfg, runtime = ctx.cfg, ctx.runtime
+    # The config wins for hpctrain's own optimizer and schedule; an experiment's own resume as torch loads them.
+    config_owned = ctx.optimizer is not None and not (owns_optimizer(type(ctx.experiment))
+                                                      or owns_scheduler(type(ctx.experiment)))
+    built = hyperparameters(ctx.optimizer) if config_owned else []  # a restore loads the checkpoint's over them
+    resumed = ctx.checkpointer.restore(cfg.ckpt.resume, ctx.stateful())
+    if resumed is not None and config_owned:
+        apply_hyperparameters(ctx.optimizer, ctx.scheduler, built)  # the config wins, the state is kept
+    if resumed is not None:
+        _restore_streams(ctx, resumed)
+        ctx.state = _continue_from(ctx, resumed)
+    if runtime.is_main:  # only now: a refused resume leaves the run dir's config as it was
+        write_config(Path(cfg.run_dir), config_text)
+        if resumed is None:
+            for kept in set_aside_records(Path(cfg.run_dir)):
+                log.warning("fresh start: %s held an earlier attempt's records (no checkpoint to resume); "
+                            "kept as %s, this run's start anew", cfg.run_dir, kept.name)
+    _announce(ctx, resumed, layout)
+    if cfg.train.compiled:  # before the first compiled step: a requeued job on another node does not compile again
+        ctx.compile_cache = CompileCache(Path(cfg.run_dir), runtime.device, runtime.is_main, runtime.local_rank)
+        ctx.compile_cache.load()
+    ctx.metrics = build_metrics_logger(
+        runtime.is_main, Path(cfg.run_dir), cfg.log.progress, cfg.log.tensorboard,
+        ctx.total_steps, ctx.state.step, stdout_is_terminal(),
+    )
+    if resumed is not None:  # where the report marks the resume (a stop by a signal has its own record)
+        ctx.metrics.log({"step": ctx.state.step, "split": "resume", "epoch": ctx.state.epoch,
+                         "checkpoint": resumed.path.name, "world_size": runtime.world_size,
+                         "saved_world_size": resumed.saved_world_size})
+    return resumed
+
+
+def conclude(ctx: TrainContext, result: loop.LoopResult, watchdog: Watchdog, alerter: Alerter,
+             started: float) -> Outcome:
+    """The end of a training that did not fail: stopped by a signal (requeue, exit code) or done (plots, alert)."""
+    runtime = ctx.runtime
     if result.stop_signal:
         watchdog.stop("stopped")
         # torchrun SIGTERMs the other workers as soon as one exits; a rank still finishing its exit must not
@@ -345,18 +356,40 @@ def _continue_from(ctx: TrainContext, resumed: Resumed) -> TrainState:
     return replace(state, data_order=ctx.cfg.data.order)
 
 
+def failed(raised: BaseException, fault: FaultState, watchdog: Watchdog, alerter: Alerter, step: int,
+           runtime: Runtime) -> BaseException:
+    """A run failing with ``raised``: its signal handlers off (the launcher's SIGTERM should now end this process at
+    once), the watchdog's last word, the alert; returns the error to raise (translate_error's)."""
+    err = translate_error(raised)
+    fault.signals.uninstall()
+    watchdog.stop("failed")
+    # Under hpctrain's torchrun wrapper the launcher reports the first failure once, for all ranks; without
+    # it (srun tasks) an error every rank raised together is rank 0's to report, not 512 posts.
+    if not under_hpctrain_agent() and not isinstance(err, KeyboardInterrupt) \
+            and (runtime.is_main or not raised_on_every_rank(err)):
+        alerter.send("failure", last_step=step, exit_code=1, detail=f"{type(err).__name__}: {err}",
+                     log_tail=recent_log_lines())
+    return err
+
+
 def _start_watchdog(ctx: TrainContext, alerter: Alerter) -> Watchdog:
-    f = ctx.cfg.fault
+    return start_watchdog(ctx.cfg, ctx.runtime, ctx.fault, alerter, lambda: ctx.state.step)
+
+
+def start_watchdog(cfg: RunConfig, runtime: Runtime, fault: FaultState, alerter: Alerter,
+                   step: Callable[[], int]) -> Watchdog:
+    """This rank's watchdog over ``fault.heartbeat``, started; ``step()``: the run's step, for a hang's alert."""
+    f = cfg.fault
 
     def on_hang(stale: list[dict]) -> None:
-        alerter.send("hang", last_step=ctx.state.step, detail="no progress:\n" + format_stuck(stale),
+        alerter.send("hang", last_step=step(), detail="no progress:\n" + format_stuck(stale),
                      log_tail=recent_log_lines())
 
-    watchdog = Watchdog(ctx.fault.heartbeat, Path(ctx.cfg.run_dir) / "heartbeat", f.heartbeat_every_s,
-                        f.hang_timeout_s, ctx.runtime.is_main, on_hang,
-                        slow_timeout_s=slow_phase_limit(f.slow_phase_timeout_s, ctx.cfg.dist.timeout_s, f.heartbeat_every_s),
+    watchdog = Watchdog(fault.heartbeat, Path(cfg.run_dir) / "heartbeat", f.heartbeat_every_s,
+                        f.hang_timeout_s, runtime.is_main, on_hang,
+                        slow_timeout_s=slow_phase_limit(f.slow_phase_timeout_s, cfg.dist.timeout_s, f.heartbeat_every_s),
                         # a save's waits are on the control plane: the peers fail only after dist.control_timeout_s
-                        control_slow_timeout_s=slow_phase_limit(f.slow_phase_timeout_s, ctx.cfg.dist.control_timeout_s,
+                        control_slow_timeout_s=slow_phase_limit(f.slow_phase_timeout_s, cfg.dist.control_timeout_s,
                                                                 f.heartbeat_every_s))
     watchdog.beat()  # the file exists from the start (tests and operators find the pid there)
     watchdog.start()
@@ -405,7 +438,8 @@ def _stopped(ctx: TrainContext, alerter: Alerter, result: loop.LoopResult) -> Ou
         alerter.send("requeue", last_step=ctx.state.step, exit_code=f.exit_code,
                      detail=f"stopped by {signal_name(result.stop_signal)}", log_tail=recent_log_lines())
     barrier(rt)  # every rank is past its save before the job can be requeued (which kills it)
-    if rt.is_main and f.requeue and rt.job_id:
+    # A script hpctrain launched (its settings file set) is requeued by the job's launcher, on its exit code.
+    if rt.is_main and f.requeue and rt.job_id and not session_settings():
         requeue_slurm_job(requeue_id())  # a sweep's array task: its own ARRAY_TASK id, never the array's
     return Outcome(f.exit_code, result.val)
 

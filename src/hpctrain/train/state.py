@@ -44,6 +44,12 @@ class TrainState:
     the window, so its next record averages the same steps as an uninterrupted run's, on any world size."""
     log_steps: int = 0
     """Steps in that window."""
+    log_values: dict[str, list[float]] = field(default_factory=dict)
+    """The open window's named values (a multi-model step's or a user loop's logs, step.log): name -> [numerator,
+    denominator] summed over all ranks, the numerator and denominator of the value the next record shows (for a
+    mean, as log_loss and log_steps are: over the ranks' mean; for a (sum, count), the sums)."""
+    log_kinds: dict[str, str] = field(default_factory=dict)
+    """Each named value's kind: mean (averaged over the ranks and steps) or ratio (a sum over a count)."""
 
     def advance(self, global_batch_size: int, steps_per_epoch: int) -> None:
         self.step += 1
@@ -64,7 +70,9 @@ class TrainState:
         return cls(**known, global_batch_size=int(data.get("global_batch_size", 0)),
                    data_order=str(data.get("data_order", "")), eval_pending=bool(data.get("eval_pending", False)),
                    outputs_pending=bool(data.get("outputs_pending", False)),
-                   log_loss=float(data.get("log_loss", 0.0)), log_steps=int(data.get("log_steps", 0)))
+                   log_loss=float(data.get("log_loss", 0.0)), log_steps=int(data.get("log_steps", 0)),
+                   log_values={str(k): [float(x) for x in v] for k, v in data.get("log_values", {}).items()},
+                   log_kinds={str(k): str(v) for k, v in data.get("log_kinds", {}).items()})
 
 
 def read_state(path: Path) -> TrainState | None:

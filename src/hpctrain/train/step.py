@@ -142,43 +142,53 @@ def apply_gradients(ctx, device_flag: bool = False) -> tuple[torch.Tensor | None
     clipping (on device, no sync) and whether the step was skipped for a non-finite gradient (train/skips.py: a
     device flag where the optimizer reads one and ``device_flag`` (a step of this launch has been applied), else a bool
     read on the host). Every rank takes the same path: under zero1 every rank calls step() or none does."""
-    clip = ctx.cfg.train.grad_clip
+    norm, skipped = step_optimizer(ctx.optimizer, ctx.scheduler, ctx.scaler, list(ctx.raw_model.parameters()),
+                                   ctx.cfg.train.grad_clip, device_flag)
+    if ctx.ema is not None:
+        ema_step(ctx.ema, ctx.raw_model, skipped)
+    return norm, skipped
+
+
+def step_optimizer(optimizer: torch.optim.Optimizer, scheduler: Any, scaler: torch.amp.GradScaler,
+                   params: list[torch.Tensor], clip: float,
+                   device_flag: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | bool]:
+    """One optimizer's part of apply_gradients, for the gradients of ``params`` (all it steps): unscale (fp16) and
+    clip to ``clip`` when > 0, the non-finite skip, step, zero, schedule. Returns (the norm when clipping, skipped)."""
     if clip > 0:
-        ctx.scaler.unscale_(ctx.optimizer)  # clip the true gradient, not the fp16-scaled one
-    norm = global_grad_norm(ctx, clip)
-    reader = flag_reader(ctx.optimizer, device_flag)
+        scaler.unscale_(optimizer)  # clip the true gradient, not the fp16-scaled one
+    norm = global_grad_norm(params, clip)
+    reader = flag_reader(optimizer, device_flag)
     skipped: torch.Tensor | bool = not_finite(norm) if reader is not None else not bool(torch.isfinite(norm))
-    if ctx.scaler.is_enabled():
-        ctx.scaler.step(ctx.optimizer)  # fp16: GradScaler skips on its own check of the same gradients
+    if scaler.is_enabled():
+        scaler.step(optimizer)  # fp16: GradScaler skips on its own check of the same gradients
     elif reader is not None:
         reader.found_inf = skipped  # the fused kernels leave weights and state as they were when it is 1
         try:
-            ctx.optimizer.step()
+            optimizer.step()
         finally:
             del reader.found_inf
     elif not skipped:
-        ctx.optimizer.step()
-    ctx.scaler.update()
-    ctx.optimizer.zero_grad(set_to_none=True)
+        optimizer.step()
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
     # A skipped step is a step: the schedule moves on, as under GradScaler and in a graph.
     if skipped is True:  # optimizer.step() not called: torch's warning about the order would be wrong here
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
-            ctx.scheduler.step()
+            scheduler.step()
     else:
-        ctx.scheduler.step()
-    if ctx.ema is not None:
-        ema_step(ctx.ema, ctx.raw_model, skipped)
+        scheduler.step()
     return (norm if clip > 0 else None), skipped
 
 
-def global_grad_norm(ctx, clip: float) -> torch.Tensor:
-    """The norm of all gradients of all ranks, clipped to ``clip`` when > 0: the same value on every rank."""
+def global_grad_norm(params: list[torch.Tensor], clip: float) -> torch.Tensor:
+    """The norm of the gradients of ``params`` over all ranks, clipped to ``clip`` when > 0: the same value on every
+    rank."""
     # Under fsdp the gradients are DTensor shards, and torch reduces their norms over the ranks (every parameter is
     # sharded, the root included; see dist/wrap.py); under DDP and zero1 every rank holds the all-reduced gradients.
     if clip > 0:
-        return full_value(torch.nn.utils.clip_grad_norm_(ctx.raw_model.parameters(), clip))
-    grads = [p.grad for p in ctx.raw_model.parameters() if p.grad is not None]
+        return full_value(torch.nn.utils.clip_grad_norm_(params, clip))
+    grads = [p.grad for p in params if p.grad is not None]
     return full_value(torch.nn.utils.get_total_norm(grads))
 
 
