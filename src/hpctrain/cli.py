@@ -9,8 +9,8 @@ import sys
 from typing import NoReturn, Sequence
 
 from hpctrain import __version__
-from hpctrain.commands import (config, doctor, experiments, export, plan, predict, report, sample, shard, slurm,
-                               sweep, synth, train)
+from hpctrain.commands import (check, config, doctor, experiments, export, plan, predict, report, sample, shard,
+                               slurm, sweep, synth, train)
 from hpctrain.commands.arguments import parse_with_overrides
 from hpctrain.compat import check_torch
 from hpctrain.errors import UserError
@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"hpctrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # The order of `hpctrain --help`; train's module adds train and eval.
-    for command in (train, sample, export, predict, config, slurm, sweep, plan, report, shard, synth, doctor,
+    for command in (train, sample, export, predict, config, slurm, sweep, plan, report, shard, synth, doctor, check,
                     experiments):
         command.add_parser(sub)
     return parser
@@ -38,8 +38,13 @@ def _rank_prefix() -> str:
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    # key=value items may stand before or after options (commands.arguments.parse_with_overrides).
-    return parse_with_overrides(build_parser(), argv)
+    # key=value items may stand before or after options (commands.arguments.parse_with_overrides); everything after
+    # the first `--` is a user script's own arguments, never read by hpctrain.
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = parse_with_overrides(build_parser(), argv[:cut])
+    args.script_args = argv[cut + 1:]
+    return args
 
 
 def entry_point() -> NoReturn:

@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # torch: `hpctrain --help` builds every command's parser with
 
 # What a worker imports before its first step (the training loop; DCP and through it DTensor and SymPy): imported
 # once in the launcher when the workers are its forks (launcher/forked_workers).
-PRELOAD = ("torch.distributed.checkpoint", "hpctrain.train.run")
+PRELOAD = ("torch.distributed.checkpoint", "hpctrain.train.run", "hpctrain.userloop.step_runner")
 
 
 def add_parser(sub) -> None:
@@ -131,9 +131,15 @@ def preflight_read(cfg: RunConfig, world_size: int) -> None:
 
 
 def _train_here(cls: type[Experiment], cfg: RunConfig, runtime: Runtime) -> int:
-    from hpctrain.train.run import run_training
+    from hpctrain.experiments.step_experiment import is_step_experiment
 
     # The config text is the user's (train.channels_last=auto stays auto, resolved again on each launch).
+    if is_step_experiment(cls):  # the experiment writes its own step: hpctrain's loop around it
+        from hpctrain.userloop.step_runner import run_step_experiment
+
+        return run_step_experiment(cfg, runtime, cls, config_to_toml(cfg))
+    from hpctrain.train.run import run_training
+
     return run_training(cfg, runtime, cls, config_to_toml(cfg)).exit_code
 
 

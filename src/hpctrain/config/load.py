@@ -14,7 +14,7 @@ import shlex
 import sys
 import typing
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Mapping, Sequence
 
 import tomli_w
 
@@ -194,6 +194,24 @@ def _describe(typ: Any, key: str = "") -> str:
 
 def _toml_literal(value: Any) -> str:
     return ("true" if value else "false") if isinstance(value, bool) else repr(value)
+
+
+def explicit_settings(experiment: str, config_file: str | Path | None, overrides: Sequence[str]) -> dict[str, Any]:
+    """Only the settings a user gave (a TOML file, then key=value items), as nested TOML tables with the top-level
+    ``experiment``: what a script's session resolves above its own defaults (HPCTRAIN_SETTINGS). Checked as
+    load_config checks them (a typo is refused here, before any launch)."""
+    values = _read_toml(Path(config_file), experiment) if config_file is not None else {}
+    for item in overrides:
+        key, raw = _split_override(item)
+        try:
+            values[key] = _Value(tomllib.loads(f"v = {raw}")["v"], "command line")
+        except tomllib.TOMLDecodeError:
+            values[key] = _Value(raw, "command line")  # a string, as typed
+    tree: dict[str, Any] = {"experiment": experiment}
+    for dotted, item in values.items():
+        section, _, name = dotted.partition(".")
+        tree.setdefault(section, {})[name] = item.value
+    return tree
 
 
 def config_to_dict(cfg: RunConfig) -> dict[str, Any]:

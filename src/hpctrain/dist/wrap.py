@@ -74,7 +74,7 @@ def shard_model(model: nn.Module, cfg: RunConfig, runtime: Runtime, blocks: list
     that every parameter is a DTensor: clip_grad_norm_ needs that). Rank 0's weights first go to every rank, as
     DDP's constructor does: weights loaded on rank 0 alone (Experiment.init_weights) would otherwise be sharded
     from each rank's own copy."""
-    _broadcast_module(model, runtime)
+    broadcast_module(model, runtime)
     names = {id(m): name for name, m in model.named_modules()}
     unknown = [b for b in blocks if id(b) not in names or b is model]
     if unknown:
@@ -95,7 +95,7 @@ def shard_model(model: nn.Module, cfg: RunConfig, runtime: Runtime, blocks: list
     return model
 
 
-def _broadcast_module(model: nn.Module, runtime: Runtime) -> None:
+def broadcast_module(model: nn.Module, runtime: Runtime) -> None:
     """Rank 0's parameters and buffers to every rank, in buckets (what DDP's constructor does)."""
     tensors = [t.detach() for t in (*model.parameters(), *model.buffers())]
     by_device: dict[torch.device, list[torch.Tensor]] = {}

@@ -269,6 +269,21 @@ def call_eval_stats(experiment: Experiment, model: nn.Module, batch: Any, info: 
     return experiment.eval_stats(model, batch)  # type: ignore[call-arg]
 
 
+def sums_over_count(totals: Mapping[str, Any]) -> dict[str, Any]:
+    """Metrics from sums: each ``X_sum`` over ``count`` as ``X`` (``count`` itself then dropped), other statistics as
+    they are."""
+    count = totals.get("count")
+    out: dict[str, Any] = {}
+    for key, value in totals.items():
+        if key == "count" and any(k.endswith("_sum") for k in totals):
+            continue
+        if key.endswith("_sum") and count:
+            out[key[:-len("_sum")]] = value / count
+        else:
+            out[key] = value
+    return out
+
+
 def owns_optimizer(cls: type) -> bool:
     """Whether an Experiment class builds its own optimizer (overrides build_optimizer)."""
     return getattr(cls, "build_optimizer", Experiment.build_optimizer) is not Experiment.build_optimizer

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 import torch
 from torch import nn
 
-from hpctrain.errors import UserError
-from hpctrain.experiments.base import BatchInfo, Experiment
+from hpctrain.errors import UserError, on_every_rank
+from hpctrain.experiments.base import BatchInfo, Experiment, sums_over_count
 
 if TYPE_CHECKING:
     from hpctrain.userloop.step import Step
@@ -65,8 +65,13 @@ class StepExperiment(Experiment):
         """Sums over one validation batch, as Experiment.eval_stats, with ``model`` the nn.ModuleDict of the
         models (the averaged ones for ema_models): ``model["g"]``. No default: a StepExperiment with a
         validation set implements it."""
-        raise UserError(f"{type(self).__name__} has a validation set but no eval_stats",
-                        "implement eval_stats(self, models, batch, info) returning sums, or return no val set.")
+        raise on_every_rank(UserError(f"{type(self).__name__} has a validation set but no eval_stats",
+                                      "implement eval_stats(self, models, batch, info) returning sums, or return no "
+                                      "val set."))
+
+    def metrics(self, totals: Mapping[str, Any]) -> dict[str, float]:
+        """Metrics from the summed statistics. Default: each ``X_sum`` over ``count`` as ``X``."""
+        return sums_over_count(totals)
 
 
 def is_step_experiment(cls: type) -> bool:

@@ -71,6 +71,8 @@ class TrainContext:
     a second on a node without persistence mode)."""
     metrics: MetricsLogger = field(default_factory=lambda: MetricsLogger([]))
     """Replaced once the start step is known (after restore); silent until then."""
+    recorder: Any = None
+    """train/resume_record.py's ResumeRecorder when `hpctrain check resume` runs this training (else None)."""
     objects: Any = None
     """Several models, optimizers, schedulers and EMAs by name (userloop/objects.py NamedObjects: a StepExperiment's
     or a user loop's), in place of the one model, optimizer, scheduler, scaler and EMA above; None for an

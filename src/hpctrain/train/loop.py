@@ -57,6 +57,8 @@ def train(ctx: TrainContext) -> LoopResult:
             loss, grad_norm = ctx.stepper(ctx, batches, window)  # eager, compiled or graphed: train/step_mode.py
             ctx.state.advance(ctx.batches.global_batch_size, ctx.sampler.steps_per_epoch)
             window.add(loss, grad_norm)
+            if ctx.recorder:  # hpctrain check resume: the state after this step
+                ctx.recorder.record(ctx.state.step, ctx.stateful())
             val, stop_signal = after_step(ctx, window, epoch_ended=ctx.state.epoch != epoch)
             if val:
                 last_val, val_step = val, ctx.state.step

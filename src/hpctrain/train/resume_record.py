@@ -48,7 +48,7 @@ class ResumeRecorder:
         if self.path is None:
             return
         line = {"step": step, "batches": self._batches.hexdigest()[:16], "micro_batches": self._batch_count,
-                "lr": _rates(stateful), "objects": object_hashes(stateful)}
+                "lr": _rates(stateful), "objects": object_hashes(stateful), "parameters": parameter_hashes(stateful)}
         self._batches, self._batch_count = hashlib.sha256(), 0
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -74,6 +74,19 @@ def object_hashes(stateful: Mapping[str, Any]) -> dict[str, str]:
             out |= {f"{key}.{name}": _hash(_state(obj)) for name, obj in value.items()}
         else:
             out[key] = _hash(_state(value))
+    return out
+
+
+def parameter_hashes(stateful: Mapping[str, Any]) -> dict[str, str]:
+    """The same for the models' and EMA copies' parameters alone: a rank's buffers (batch-norm statistics of its own
+    batches) are not what a checkpoint holds for it (rank 0's copy is), but its parameters are."""
+    out: dict[str, str] = {}
+    for key, value in stateful.items():
+        modules = value.items() if isinstance(value, (nn.ModuleDict, Mapping)) else [(None, value)]
+        for name, module in modules:
+            module = getattr(module, "module", module) if hasattr(module, "n_averaged") else module
+            if isinstance(module, nn.Module) and key != "ema_models":
+                out[key if name is None else f"{key}.{name}"] = _hash(dict(module.named_parameters()))
     return out
 
 
@@ -113,3 +126,82 @@ def _feed(digest: Any, value: Any) -> None:
         digest.update(b"<callable>")
     else:
         digest.update(repr(value).encode())
+
+
+VOLATILE = frozenset({"time", "samples_per_s", "eta_s", "data_wait_frac", "gpu_busy"})
+"""Train record fields that differ between two runs of the same training (the clock's)."""
+
+
+def read_records(folder: Path) -> dict[int, dict[int, dict[str, Any]]]:
+    """rank -> step -> record, from a recorded run's rank_N.jsonl files (a later launch's line for a step wins)."""
+    out: dict[int, dict[int, dict[str, Any]]] = {}
+    for path in sorted(folder.glob("rank_*.jsonl")):
+        rank = int(path.stem.split("_")[1])
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                record = json.loads(line)
+                out.setdefault(rank, {})[int(record["step"])] = record
+    return out
+
+
+def first_difference(straight: dict[int, dict[int, dict[str, Any]]], resumed: dict[int, dict[int, dict[str, Any]]],
+                     straight_metrics: list[dict[str, Any]], resumed_metrics: list[dict[str, Any]]) -> str:
+    """The first step at which the resumed run differs from the uninterrupted one, and what differs there ('' when
+    they are the same at every step): the micro-batches a rank trained on, an optimizer's learning rate, a
+    checkpointed object's state (by name), or a logged value. Ranks are compared with the same rank when both runs
+    had the same number (else rank 0 only: another world size splits the batches otherwise)."""
+    ranks = sorted(set(straight) & set(resumed)) if set(straight) == set(resumed) else [0]
+    steps = sorted(set().union(*(straight.get(r, {}) for r in ranks)))
+    logged = {r["step"]: r for r in straight_metrics if r.get("split") == "train"}
+    logged_again = {r["step"]: r for r in resumed_metrics if r.get("split") == "train"}
+    for step in steps:
+        for rank in ranks:
+            a, b = straight.get(rank, {}).get(step), resumed.get(rank, {}).get(step)
+            if a is None or b is None:
+                return f"step {step}: rank {rank} has no record in the {'resumed' if b is None else 'uninterrupted'} run"
+            what = _difference(a, b, same_world=set(straight) == set(resumed), rank=rank)
+            if what:
+                return f"step {step}, rank {rank}: {what}"
+        what = _logged_difference(logged.get(step), logged_again.get(step), exact=set(straight) == set(resumed))
+        if what:
+            return f"step {step}: {what}"
+    return ""
+
+
+def _changed(a: dict[str, str], b: dict[str, str]) -> list[str]:
+    return [name for name in sorted(set(a) | set(b)) if a.get(name) != b.get(name)]
+
+
+def _difference(a: dict[str, Any], b: dict[str, Any], same_world: bool, rank: int = 0) -> str:
+    if same_world and a["batches"] != b["batches"]:
+        return ("the micro-batches differ: the data's position is not restored on resume (a sampler, data loader or "
+                "iterable of the script's own, or a global random draw in the data)")
+    for name in sorted(set(a["lr"]) | set(b["lr"])):
+        if a["lr"].get(name) != b["lr"].get(name):
+            return (f"the learning rate of optimizer '{name}' differs ({a['lr'].get(name)} uninterrupted, "
+                    f"{b['lr'].get(name)} resumed): its schedule did not resume (a scheduler that is not registered?)")
+    if not same_world:  # another split of the batches: other float rounding, other shards; the losses say it
+        return ""
+    changed = _changed(a["objects"], b["objects"])
+    if rank:  # a checkpoint holds rank 0's buffers for every rank: only the parameters of a module are this rank's
+        changed = [n for n in changed if n not in a.get("parameters", {})] + \
+            _changed(a.get("parameters", {}), b.get("parameters", {}))
+    if changed:
+        return (f"the state of {', '.join(repr(n) for n in changed)} differs after this step (state that is not "
+                "registered, a random draw that is not restored, or a nondeterministic operation)")
+    return ""
+
+
+RELATIVE = 1e-5
+"""How close a logged value must be after a resume on another number of processes (float summation order)."""
+
+
+def _logged_difference(a: dict[str, Any] | None, b: dict[str, Any] | None, exact: bool = True) -> str:
+    if a is None or b is None:
+        return "" if a is b else f"the train record is missing in the {'resumed' if b is None else 'uninterrupted'} run"
+    for key in sorted((set(a) | set(b)) - VOLATILE):
+        x, y = a.get(key), b.get(key)
+        close = isinstance(x, float) and isinstance(y, float) and abs(x - y) <= RELATIVE * max(abs(x), abs(y))
+        if x != y and (exact or not close):
+            return f"the logged {key} differs ({a.get(key)} uninterrupted, {b.get(key)} resumed)"
+    return ""

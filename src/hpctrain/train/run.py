@@ -52,6 +52,7 @@ from hpctrain.train.step_mode import build_step, choose_step_mode
 from hpctrain.train.precision import resolve_precision
 from hpctrain.train.rng import restore_rng, seed_everything, seed_rank_streams
 from hpctrain.train.resume_settings import apply_hyperparameters, changed_since, hyperparameters
+from hpctrain.train.resume_record import ResumeRecorder
 from hpctrain.train.rundir import prepare_run_dir, set_aside_records, write_config
 from hpctrain.train.state import TrainState, continue_with_batch
 
@@ -79,7 +80,7 @@ def build_context(
     barrier(runtime)
     model = experiment.build_model()
     if pretrained:
-        _init_weights(experiment, model, cfg, runtime)
+        init_weights(experiment, model, cfg, runtime)
     seed_rank_streams(cfg.run.seed, runtime.rank)
     sampler = StepBatchSampler(len(data.train), plan, runtime.rank, cfg.run.seed, order=train_order(cfg, runtime, data, plan))
     train_loader = _train_loader(cfg, runtime, data, sampler)
@@ -127,6 +128,7 @@ def build_context(
         total_steps=total_steps,
         checkpointer=Checkpointer(run_dir, cfg.experiment, runtime, config_text, cfg.ckpt.keep_last, cfg.ckpt.async_save,
                                   cfg.dist.strategy, cfg.dist.control_timeout_s),
+        recorder=ResumeRecorder.from_environment(runtime.rank),
         fault=FaultState(
             signals=StopSignals(),
             vote=StepVote(runtime),
@@ -174,7 +176,7 @@ def fsdp_param_dtype(precision, runtime: Runtime) -> torch.dtype | None:
     return torch.bfloat16 if runtime.device.type == "cuda" and precision.dtype == torch.bfloat16 else None
 
 
-def _init_weights(experiment: Experiment, model: torch.nn.Module, cfg: RunConfig, runtime: Runtime) -> None:
+def init_weights(experiment: Experiment, model: torch.nn.Module, cfg: RunConfig, runtime: Runtime) -> None:
     """The experiment's pretrained weights, when this run starts fresh (a resumed one gets its weights from the
     checkpoint, and must not need the pretrained file). Rank 0 decides and loads; DDP's constructor then
     broadcasts its parameters and buffers to every rank, so the file is read once, not by every process of 64
@@ -262,6 +264,7 @@ def _train_holding_run_dir(choices: LaunchChoices, runtime: Runtime, experiment:
     finally:
         ctx.checkpointer.drain()  # a failing run's background write ends (committed or not) before the lock is released
         ctx.metrics.close()
+        ctx.recorder.close()
         release_step(ctx)
     return conclude(ctx, result, watchdog, alerter, started)
 

@@ -94,6 +94,8 @@ def fetch(ctx, batches: Iterator, window) -> Any:
     waited = time.perf_counter()
     host_batch = next(batches)
     window.data_wait += time.perf_counter() - waited
+    if ctx.recorder:  # hpctrain check resume: what this rank trained on
+        ctx.recorder.saw(host_batch)
     return to_device(host_batch, ctx.runtime.device, ctx.cfg.train.channels_last_on)
 
 

@@ -27,8 +27,8 @@ from hpctrain.data.sampler import EvalBatchSampler, StepBatchSampler
 from hpctrain.dist.collectives import barrier, broadcast_buffers
 from hpctrain.dist.env import fault_injection_spec
 from hpctrain.dist.runtime import Runtime
-from hpctrain.dist.wrap import place_model, unwrap_model, wrap_model
-from hpctrain.experiments.base import Datasets, Experiment, default_fsdp_blocks
+from hpctrain.dist.wrap import broadcast_module, place_model, unwrap_model, wrap_model
+from hpctrain.experiments.base import Datasets, Experiment, default_fsdp_blocks, sums_over_count
 from hpctrain.fault.alerts import Alerter, resolve_webhook
 from hpctrain.fault.heartbeat import Heartbeat
 from hpctrain.fault.inject import build_injector
@@ -89,6 +89,9 @@ class TrainingSession:
         self.fault = FaultState(signals=StopSignals(), vote=StepVote(runtime), heartbeat=Heartbeat(
             runtime.rank, runtime.hostname, on_mark=build_injector(fault_injection_spec(), runtime.rank)))
         self.fault.vote.run_lock = lock
+        self.steps_schedules = experiment is not None
+        """step.optimizer_step steps the optimizer's schedulers: a StepExperiment's, which hpctrain built; a user's
+        loop steps its own."""
         self.applied: dict[str, bool] = {}
         """Per optimizer: a step of this launch has updated its weights (train/skips.py flag_reader)."""
         self.ctx: TrainContext | None = None
@@ -169,6 +172,8 @@ class TrainingSession:
         placed = place_model(obj, self.cfg, self.runtime)
         copy = build_ema(placed, ema) if ema > 0 else None
         wrapped = placed
+        if not trainable and self.runtime.distributed:  # no DDP to broadcast rank 0's weights (loaded there alone)
+            broadcast_module(placed, self.runtime)
         if trainable:
             wrapped = wrap_model(placed, self.cfg, self.runtime,
                                  blocks=blocks if blocks is not None else default_fsdp_blocks(placed),
@@ -246,12 +251,16 @@ class TrainingSession:
             train_loader=loader, val_loader=val_loader,
             state=TrainState(global_batch_size=cfg.train.global_batch_size, data_order=cfg.data.order),
             total_steps=cfg.train.max_steps or cfg.train.epochs * sampler.steps_per_epoch,
-            checkpointer=checkpointer, fault=self.fault, stepper=_Stepper(), objects=self.objects)
+            checkpointer=checkpointer, fault=self.fault, stepper=_Stepper(), objects=self.objects,
+            recorder=self.recorder)
 
     def iterate(self) -> Iterator[Step]:
         """The loop of run.steps (train/loop.py's train(), with the step handed to the user)."""
         ctx = self.ctx
         self.objects.check()
+        for kind, optimizer in self.objects.unregistered_schedulers() if self.runtime.is_main else ():
+            log.warning("a %s of optimizer '%s' is not registered: a resume would start its schedule again; "
+                        "run.register(name=scheduler)", kind, optimizer)
         self._owners = {name: set(self.objects.optimizer_models(name)) for name in self.objects.optimizers}
         start_run(ctx, self.config_text, "")
         if isinstance(ctx.sampler, OwnOrder) and "data" in self.objects.others:
@@ -290,7 +299,8 @@ class TrainingSession:
             raise misuse("the data ran out inside a step", "give run.steps data whose length does not change "
                          "while it is iterated.") from None
         self.window.data_wait += time.perf_counter() - waited
-        self.recorder.saw(batch)
+        if self.recorder:
+            self.recorder.saw(batch)
         return batch
 
     def batch_info(self, step: int, micro: int):
@@ -442,18 +452,4 @@ class _Sums:
     def metrics(self, totals: dict[str, Any]) -> dict[str, float]:
         if self.metrics_fn is not None:
             return self.metrics_fn(totals)
-        return default_metrics(totals)
-
-
-def default_metrics(totals: dict[str, Any]) -> dict[str, float]:
-    """Each ``X_sum`` over ``count`` as ``X`` (``count`` itself dropped), other statistics as they are."""
-    count = totals.get("count")
-    out: dict[str, float] = {}
-    for key, value in totals.items():
-        if key == "count" and any(k.endswith("_sum") for k in totals):
-            continue
-        if key.endswith("_sum") and count:
-            out[key[:-len("_sum")]] = value / count
-        else:
-            out[key] = value
-    return out
+        return sums_over_count(totals)

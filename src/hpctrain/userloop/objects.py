@@ -69,7 +69,8 @@ class NamedObjects:
         """One object under ``name``; ``scaler``: the loss scaler a new optimizer gets."""
         if not name.isidentifier():
             raise misuse(f"run.register: '{name}' is not a name", "register objects as name=object (identifiers).")
-        if name in self.names():
+        kind = self._kind(obj)
+        if name in getattr(self, kind):
             raise misuse(f"run.register: '{name}' is registered already",
                          "give every registered object its own name.")
         if isinstance(obj, nn.Module):
@@ -99,8 +100,14 @@ class NamedObjects:
                      f"register what run.wrap returned: {name} = run.wrap({name}) first (it places the model on the "
                      "device and wraps it per dist.strategy, which checkpoints and gradient sync rely on).")
 
-    def names(self) -> set[str]:
-        return {*self.models, *self.optimizers, *self.schedulers, *self.others}
+    @staticmethod
+    def _kind(obj: Any) -> str:
+        """Which of the registry's dicts an object goes into (a name is unique within one)."""
+        if isinstance(obj, nn.Module):
+            return "models"
+        if isinstance(obj, torch.optim.Optimizer):
+            return "optimizers"
+        return "schedulers" if isinstance(obj, SCHEDULER_TYPES) else "others"
 
     def check(self) -> None:
         """Before the first step: every wrapped model registered, every optimizer over registered models'
@@ -128,6 +135,22 @@ class NamedObjects:
             if id(getattr(scheduler, "optimizer", None)) not in ours:
                 raise misuse(f"scheduler '{name}' schedules an optimizer that is not registered",
                              "register its optimizer too (the one it was built on).")
+
+    def unregistered_schedulers(self) -> list[tuple[str, str]]:
+        """(scheduler class, optimizer name) of each live scheduler of a registered optimizer that is not
+        registered itself: its position would be lost on a resume. Found through the garbage collector's referrers
+        of the optimizers (a scheduler holds its optimizer as an attribute)."""
+        import gc
+
+        ours = {id(s) for s in self.schedulers.values()}
+        by_id = {id(o): name for name, o in self.optimizers.items()}
+        found = []
+        referrers = gc.get_referrers(*self.optimizers.values()) if self.optimizers else []
+        holders = [r for r in referrers if isinstance(r, dict)]  # an instance __dict__ (or the instance itself)
+        for owner in [*referrers, *(gc.get_referrers(*holders) if holders else ())]:
+            if isinstance(owner, SCHEDULER_TYPES) and id(owner) not in ours and id(owner.optimizer) in by_id:
+                found.append((type(owner).__name__, by_id[id(owner.optimizer)]))
+        return sorted(set(found))
 
     # -- what a checkpoint and the loop see -------------------------------------------------------------------------
 

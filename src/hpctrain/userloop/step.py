@@ -120,8 +120,9 @@ class Step:
     def optimizer_step(self, name: str | None = None, clip: float | None = None) -> torch.Tensor | None:
         """Step optimizer ``name`` (default: the only one) on the gradients its backward passes accumulated:
         scaled to the global count of (sum, count) losses, clipped to ``clip`` (default train.grad_clip; 0: no
-        clipping), skipped when not finite, then zeroed; its schedulers step. Returns the gradient norm when
-        clipping. Every rank calls it, in the same order."""
+        clipping), skipped when not finite, then zeroed; in a StepExperiment its schedule steps too (in a loop of
+        your own, step your schedulers yourself). Returns the gradient norm when clipping. Every rank calls it, in
+        the same order."""
         self._check_open("optimizer_step")
         session = self._session
         name = self._only_optimizer(name, "step.optimizer_step")
@@ -136,7 +137,7 @@ class Step:
             scale_gradients(params, count, session.ctx.runtime.world_size)
         session.ctx.fault.heartbeat.mark("optimizer")
         clip = session.ctx.cfg.train.grad_clip if clip is None else clip
-        scheduler = _Schedules(session.objects.schedulers_of(name))
+        scheduler = _Schedules(session.objects.schedulers_of(name) if session.steps_schedules else [])
         norm, skipped = step_optimizer(session.objects.optimizers[name], scheduler, session.objects.scalers[name],
                                        params, clip, device_flag=session.applied.get(name, False))
         session.applied[name] = session.applied.get(name, False) or skipped is False
