@@ -38,7 +38,13 @@ class Result:
 
 
 def run_hpctrain(args: list[str], timeout: float = 120, cwd: Path | None = None, env: dict | None = None) -> Result:
-    """Run `python -m hpctrain ARGS` in its own session; on timeout kill the session and fail.
+    """Run `python -m hpctrain ARGS` in its own session; on timeout kill the session and fail (run_module)."""
+    return run_module("hpctrain", args, timeout, cwd, env)
+
+
+def run_module(module: str, args: list[str], timeout: float = 120, cwd: Path | None = None,
+               env: dict | None = None) -> Result:
+    """Run `python -m MODULE ARGS` in its own session; on timeout kill the session and fail.
 
     torchrun and its workers run in a session of their own (see dist/parent_death.py) and die
     with their parent (PR_SET_PDEATHSIG), so killing ours takes the whole tree down."""
@@ -48,7 +54,7 @@ def run_hpctrain(args: list[str], timeout: float = 120, cwd: Path | None = None,
     full_env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.pop("RANK", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hpctrain", *args],
+        [sys.executable, "-m", module, *args],
         cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     try:
@@ -56,7 +62,7 @@ def run_hpctrain(args: list[str], timeout: float = 120, cwd: Path | None = None,
     except subprocess.TimeoutExpired:
         kill_tree(proc.pid)
         out, err = proc.communicate(timeout=30)
-        pytest.fail(f"hpctrain {' '.join(args)} hung for {timeout} s (hard timeout)\n{out}\n{err}")
+        pytest.fail(f"{module} {' '.join(args)} hung for {timeout} s (hard timeout)\n{out}\n{err}")
     return Result(proc.returncode, out, err)
 
 
@@ -123,9 +129,12 @@ def final_params(run_dir: Path) -> dict:
 
 
 def same_params(a: dict, b: dict) -> bool:
+    """The same names, and each tensor equal bit for bit (non-tensor entries, such as an optimizer's flattened
+    hyperparameters, equal)."""
     import torch
 
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
 
 
 def read_jsonl(path: Path) -> list[dict]:
