@@ -1,0 +1,68 @@
+"""`hpctrain check resume` (issue 40, section 5) with real processes, and bad use of the session API in a script:
+a message and exit code 2, a rank that raises alone ends the run within seconds."""
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TESTS, run_hpctrain, run_module
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+
+
+def check(target: str, *args: str, expect: int):
+    result = run_hpctrain(["check", "resume", target, "--steps", "6", *args], 240)
+    assert result.returncode == expect, result.output
+    return result.stdout
+
+
+def test_a_loop_that_registers_everything_resumes_exactly():
+    out = check(str(TESTS / "gan_loop.py"), expect=0)
+    assert "stopped at step 4 of 6; resumed exactly" in out
+
+
+def test_an_experiment_resumes_exactly():
+    assert "resumed exactly" in check("toy_experiment:LinearToy", expect=0)
+
+
+def test_an_unregistered_scheduler_is_found_and_named(tmp_path: Path):
+    script = tmp_path / "forgot.py"
+    text = (TESTS / "gan_loop.py").read_text()
+    script.write_text(text.replace("opt_d=opt_d, schedule=schedule)", "opt_d=opt_d)"))
+    out = check(str(script), expect=1)
+    assert "step 5, rank 0: the learning rate of optimizer 'opt_g' differs" in out
+    assert "a scheduler that is not registered" in out
+
+
+def test_a_data_loader_of_the_scripts_own_is_found(tmp_path: Path):
+    """A shuffling DataLoader draws its order from the global generator when iterated: the resumed run's epoch is
+    another order, and the check says the micro-batches differ."""
+    script = tmp_path / "own_loader.py"
+    text = (TESTS / "token_loop.py").read_text()
+    script.write_text(text.replace("run.steps(sequences(), collate_fn=pad)", "run.steps(torch.utils.data.DataLoader("
+                                   "sequences(), batch_size=4, shuffle=True, collate_fn=pad))"))
+    out = check(str(script), expect=1)
+    assert "the micro-batches differ" in out
+
+
+def test_bad_use_in_a_script_is_a_message_and_exit_2(tmp_path: Path):
+    script = tmp_path / "bad.py"
+    script.write_text("import hpctrain\nwith hpctrain.session({'log.tensorboard': False}) as run:\n"
+                      "    run.register(counter=object())\n")
+    result = run_module("hpctrain.launch", ["--standalone", "--nproc-per-node=1", str(script),
+                                            f"run.dir={tmp_path / 'run'}"], 120, cwd=tmp_path)
+    assert result.returncode != 0
+    assert "hpctrain: error: run.register: 'counter' (object) has no state_dict" in result.stderr
+    assert "HINT:" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_loop_that_raises_on_one_rank_ends_the_run_within_seconds(tmp_path: Path):
+    script = tmp_path / "raises.py"
+    script.write_text((TESTS / "token_loop.py").read_text().replace(
+        "        step.optimizer_step()",
+        "        step.optimizer_step()\n        if run.rank == 1 and step.index == 2:\n"
+        "            raise ValueError('rank 1 cannot go on')"))
+    result = run_module("hpctrain.launch", ["--standalone", "--nproc-per-node=2", str(script),
+                                            f"run.dir={tmp_path / 'run'}", "train.max_steps=50"], 90)
+    assert result.returncode != 0
+    assert "rank 1 cannot go on" in result.output

@@ -1,0 +1,171 @@
+"""The session API of a loop you write (hpctrain.userloop), in this process on one rank: bad use is a message that
+says what to do, never a hang or a traceback from deep inside; and the pieces that are pure functions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from hpctrain.config.load import config_to_toml, explicit_settings, load_config
+from hpctrain.config.schema import NoModelOptions, RunConfig
+from hpctrain.dist.runtime import single_process_runtime
+from hpctrain.errors import UserError
+from hpctrain.experiments.base import sums_over_count
+from hpctrain.userloop import resolve_session_config
+from hpctrain.userloop.core import TrainingSession
+
+
+def _session(tmp_path: Path, *overrides: str) -> TrainingSession:
+    cfg = load_config("script:loop.py", NoModelOptions, overrides=(
+        f"run.dir={tmp_path / 'run'}", "train.global_batch_size=4", "train.micro_batch_size=2", "train.max_steps=2",
+        "log.progress=off", "log.tensorboard=false", "log.plots=false", "data.num_workers=0", *overrides))
+    return TrainingSession(cfg, single_process_runtime(torch.device("cpu")), config_to_toml(cfg))
+
+
+def _data() -> TensorDataset:
+    return TensorDataset(torch.randn(16, 3), torch.randn(16, 1))
+
+
+def _misuse(tmp_path: Path, body, *words: str) -> None:
+    run = _session(tmp_path)
+    with pytest.raises(UserError) as raised:
+        with run.opened():
+            body(run)
+    text = str(raised.value)
+    assert all(w in text for w in words), text
+    assert "HINT:" in text  # says what to do
+
+
+def test_registering_something_without_state_is_refused(tmp_path: Path):
+    _misuse(tmp_path, lambda run: run.register(counter=object()), "'counter'", "no state_dict")
+
+
+def test_wrapping_a_model_twice_is_refused(tmp_path: Path):
+    def body(run):
+        model = nn.Linear(3, 1)
+        run.wrap(model)
+        run.wrap(model)
+
+    _misuse(tmp_path, body, "wrapped already")
+
+
+def test_a_model_not_made_by_wrap_is_refused_and_one_wrapped_must_be_registered(tmp_path: Path):
+    _misuse(tmp_path, lambda run: run.register(m=nn.Linear(3, 1)), "'m'", "not made by run.wrap")
+
+    def unregistered(run):
+        run.wrap(nn.Linear(3, 1))
+        for _ in run.steps(_data()):
+            pass
+
+    _misuse(tmp_path / "b", unregistered, "wrapped by run.wrap but not registered")
+
+
+def test_calling_steps_twice_is_refused(tmp_path: Path):
+    def body(run):
+        run.register(m=run.wrap(nn.Linear(3, 1)))
+        run.steps(_data())
+        run.steps(_data())
+
+    _misuse(tmp_path, body, "run.steps called twice")
+
+
+def test_an_optimizer_built_before_wrapping_or_over_another_model_is_refused(tmp_path: Path):
+    def body(run):
+        model = run.wrap(nn.Linear(3, 1))
+        stray = torch.optim.SGD(nn.Linear(3, 1).parameters(), lr=0.1)
+        run.register(model=model, opt=stray)
+        for _ in run.steps(_data()):
+            pass
+
+    _misuse(tmp_path, body, "optimizer 'opt'", "no registered model")
+
+
+def test_the_run_outside_its_session_is_refused(tmp_path: Path):
+    run = _session(tmp_path)
+    with run.opened():
+        pass
+    with pytest.raises(UserError, match="outside its session"):
+        run.wrap(nn.Linear(3, 1))
+
+
+def test_steps_misused_inside_the_loop(tmp_path: Path):
+    def unknown_name(run):
+        model = run.wrap(nn.Linear(3, 1))
+        run.register(model=model, opt=torch.optim.SGD(model.parameters(), lr=0.1))
+        for step in run.steps(_data()):
+            for _ in step.micro_batches("adam"):
+                pass
+
+    _misuse(tmp_path, unknown_name, "'adam'", "no optimizer of that name", "['opt']")
+
+    kept = []
+
+    def twice_and_late(run):
+        model = run.wrap(nn.Linear(3, 1))
+        run.register(model=model, opt=torch.optim.SGD(model.parameters(), lr=0.1))
+        for step in run.steps(_data()):
+            for (x, y), _ in step.micro_batches():
+                step.backward(nn.functional.mse_loss(model(x), y))
+            step.optimizer_step()
+            kept.append(step)
+            step.optimizer_step()
+
+    _misuse(tmp_path / "b", twice_and_late, "optimizer_step('opt') twice in one step")
+    with pytest.raises(UserError, match="after the step ended"):
+        kept[0].close()
+        kept[0].log(loss=1.0)
+
+
+def test_a_short_loop_trains_saves_and_its_records_hold_named_values(tmp_path: Path):
+    """The happy path in one process: two steps, a record per step with the logged (sum, count) and mean values,
+    one checkpoint holding the model and optimizer by name."""
+    run = _session(tmp_path, "log.every_steps=1")
+    with run.opened():
+        model = run.wrap(nn.Linear(3, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        run.register(model=model, opt=opt)
+        for step in run.steps(_data()):
+            for (x, y), info in step.micro_batches():
+                loss = nn.functional.mse_loss(model(x), y, reduction="sum")
+                step.backward((loss, len(x)))
+                step.log(mse=(loss.detach(), len(x)), constant=2.0)
+            step.optimizer_step()
+    assert run.exit_code == 0
+    from tests.conftest import checkpoint_tensors, latest_checkpoint, read_jsonl
+
+    train = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["split"] == "train"]
+    assert [r["step"] for r in train] == [1, 2] and all(r["constant"] == 2.0 and r["mse"] > 0 for r in train)
+    assert "loss" not in train[0] and "lr" in train[0]
+    assert set(checkpoint_tensors(latest_checkpoint(tmp_path / "run"))) == {"model.weight", "model.bias"}
+
+
+def test_the_session_settings_rank_the_command_line_above_the_scripts_own(tmp_path: Path, monkeypatch):
+    settings = tmp_path / "settings.toml"
+    import tomli_w
+
+    settings.write_text(tomli_w.dumps(explicit_settings("script:train.py", None,
+                                                        ["train.max_steps=7", "run.dir=/tmp/x y"])))
+    monkeypatch.setenv("HPCTRAIN_SETTINGS", str(settings))
+    cfg = resolve_session_config({"train.max_steps": 3, "train.epochs": 5}, overrides=["train.epochs=6"])
+    assert (cfg.train.max_steps, cfg.train.epochs, cfg.run.dir, cfg.experiment) == (7, 6, "/tmp/x y",
+                                                                                    "script:train.py")
+    monkeypatch.delenv("HPCTRAIN_SETTINGS")
+    cfg = resolve_session_config({"train.max_steps": 3}, name="mine.py")
+    assert cfg.train.max_steps == 3 and cfg.run_dir == "runs/mine"
+    settings.write_text(tomli_w.dumps(explicit_settings("script:train.py", None, ["train.max_step=7"])))
+    with pytest.raises(UserError, match="unknown config key 'train.max_step'.*Did you mean 'train.max_steps'"):
+        load_config("script:train.py", NoModelOptions, launch_settings=settings)
+
+
+def test_metrics_from_sums_divide_each_sum_by_the_count():
+    assert sums_over_count({"loss_sum": 6.0, "correct_sum": 3.0, "count": 4.0, "hist": 2.0}) == \
+        {"loss": 1.5, "correct": 0.75, "hist": 2.0}
+    assert sums_over_count({"count": 4.0}) == {"count": 4.0}
+
+
+def test_a_script_run_dir_is_named_after_the_script():
+    assert RunConfig(experiment="script:jobs/vocoder.py").run_dir == "runs/vocoder"
