@@ -220,12 +220,18 @@ class TrackerSink:
         # An unfinished run's newest step may still grow in its next launch (see above); without checkpoints
         # there is no next launch.
         last_kept = self.durable_step is not None and newest < self.total_steps
+        if self.dropped_from:  # records come in step order: every step before the first dropped one is complete
+            newest = self.dropped_from
         due = [s for s in sorted(pending) if s <= horizon and (s < newest or (closing and not last_kept))
                and not (self.dropped_from and s >= self.dropped_from)]
-        for step in due:
-            self._send(step, pending.pop(step))
-        if due:
-            self._sent(due[-1])
+        sent = 0
+        try:
+            for step in due:
+                self._send(step, pending.pop(step))
+                sent = step
+        finally:  # also when a send raised: the steps before it are the tracker's
+            if sent:
+                self._sent(sent)
 
     def _send(self, step: int, item: _Step) -> None:
         self.client.send(step, item.values, item.times, item.images)
