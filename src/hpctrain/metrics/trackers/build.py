@@ -40,16 +40,17 @@ def build_tracker_sinks(cfg: "RunConfig", start_step: int, total_steps: int,
     """One sink per tracker of log.trackers (tensorboard is the TensorBoard sink's, not here)."""
     run_dir, c = Path(cfg.run_dir), cfg.log
     params = {key: _param(value) for key, value in flat_config(cfg).items()}
+    run_name = cfg.run.name or run_dir.resolve().name  # a sweep's points: their own names, not the experiment's
     clients = []
     if "wandb" in c.trackers:
         clients.append(wandb_client.WandbClient(
             run_dir=run_dir, project=c.wandb_project or _name(cfg.experiment), entity=c.wandb_entity,
-            offline=c.wandb_offline, run_name=cfg.run_name, group=c.tracker_group, tags=c.tracker_tags,
+            offline=c.wandb_offline, run_name=run_name, group=c.tracker_group, tags=c.tracker_tags,
             params=params, init_timeout_s=c.tracker_timeout_s))
     if "mlflow" in c.trackers:
         clients.append(mlflow_client.MlflowClient(
             uri=c.mlflow_uri or mlflow_client.default_uri(run_dir),
-            experiment=c.mlflow_experiment or c.tracker_group or _name(cfg.experiment), run_name=cfg.run_name,
+            experiment=c.mlflow_experiment or c.tracker_group or _name(cfg.experiment), run_name=run_name,
             group=c.tracker_group, tags=c.tracker_tags, params=params, start_step=start_step,
             timeout_s=c.tracker_timeout_s))
     return [TrackerSink(client, run_dir, start_step, total_steps, durable_step, c.tracker_timeout_s)
@@ -72,23 +73,24 @@ def offline_sync_command(run_dir: Path) -> str:
     return wandb_client.sync_command(state) if state is not None else ""
 
 
-def log_model_artifact(run_dir: Path, path: Path, trackers: tuple[str, ...], timeout_s: float) -> list[str]:
-    """``path`` as an artifact of the run dir's tracker runs (hpctrain export --to-trackers); the trackers that got
-    it. A tracker the run never opened is an error that says so; one that fails warns, the export stands."""
+def log_model_artifact(run_dir: Path, paths: list[Path], trackers: tuple[str, ...], timeout_s: float) -> list[str]:
+    """The files of an export as one model artifact of the run dir's tracker runs (hpctrain export --to-trackers);
+    the trackers that got it. A tracker the run never opened is an error that says so; one that fails warns, the
+    export stands."""
     done = []
     for name in (t for t in trackers if t in PACKAGES):
         state = read_state(run_dir, name)
         if state is None or not state.run_id:
             raise UserError(f"{run_dir} has no {name} run (RUN_DIR/trackers/{name}.json is missing or has no run id)",
-                            f"train with log.trackers=[\"{name}\"] first, or export without --to-trackers.")
+                            "the export is written; a run that trained with the tracker has the file.")
         check_installed((name,))
         try:
             if name == wandb_client.NAME:
-                wandb_client.log_artifact(state, run_dir, path, _name(f"{run_dir.name}-model"), timeout_s)
+                wandb_client.log_artifact(state, run_dir, paths, _name(f"{run_dir.resolve().name}-model"), timeout_s)
             else:
-                mlflow_client.log_artifact(state, path, timeout_s)
+                mlflow_client.log_artifact(state, paths, timeout_s)
             done.append(name)
         except Exception as err:  # noqa: BLE001 - the export is written; the tracker's failure is said
             log.warning("the export could not be logged to %s (%s: %s); it is at %s", name, type(err).__name__,
-                        str(err).splitlines()[0][:300] if str(err) else "", path)
+                        str(err).splitlines()[0][:300] if str(err) else "", paths[0].parent)
     return done

@@ -35,6 +35,9 @@ def mlflow_settings(uri: str, timeout_s: float) -> None:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(max(1, int(timeout_s))))
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+    # A server's run URL printed to stdout at each end: stdout is the command's own (hpctrain eval prints JSON
+    # there); the end of the log names the run (note()).
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     if uri.startswith("file:"):
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
 
@@ -124,13 +127,11 @@ class MlflowClient:
             self.client.set_terminated(self.run_id, "FINISHED" if complete else "KILLED")
 
 
-def log_artifact(state: TrackerState, path: Path, timeout_s: float) -> None:
-    """``path`` (a file or folder) under the artifact path 'model' of the training's MLflow run."""
+def log_artifact(state: TrackerState, paths: list[Path], timeout_s: float) -> None:
+    """``paths`` under the artifact path 'model' of the training's MLflow run."""
     from mlflow.tracking import MlflowClient as Client
 
     mlflow_settings(state.extra.get("uri", ""), timeout_s)
     client = Client(tracking_uri=state.extra.get("uri"))
-    if path.is_dir():
-        client.log_artifacts(state.run_id, str(path), "model")
-    else:
+    for path in paths:
         client.log_artifact(state.run_id, str(path), "model")

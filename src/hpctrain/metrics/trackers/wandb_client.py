@@ -42,6 +42,10 @@ class WandbClient:
         import wandb
 
         run_id = state.run_id or uuid.uuid4().hex[:16]  # chosen here, so the state file names it before wandb runs
+        if self.offline:
+            # The process's wandb settings offline too, not only the run's: from those wandb decides whether its
+            # client telemetry goes to the server (seen with 0.31: a POST to /sdk/otel/v1/metrics from an offline run).
+            wandb.setup(settings=wandb.Settings(mode="offline"))
         self.run = wandb.init(
             project=self.project, entity=self.entity or None, id=run_id, resume="allow", name=self.run_name,
             group=self.group or None, tags=list(self.tags) or None, config=self.params,
@@ -93,8 +97,8 @@ def sync_command(state: TrackerState) -> str:
     return f"{shlex.join(words)} {shlex.quote(state.extra.get('dir', ''))}/offline-run-*-{state.run_id}"
 
 
-def log_artifact(state: TrackerState, run_dir: Path, path: Path, name: str, init_timeout_s: float) -> None:
-    """``path`` (a file or folder) as a model artifact of the training's W&B run (hpctrain export --to-trackers)."""
+def log_artifact(state: TrackerState, run_dir: Path, paths: list[Path], name: str, init_timeout_s: float) -> None:
+    """``paths`` as one model artifact of the training's W&B run (hpctrain export --to-trackers)."""
     import wandb
 
     extra = state.extra
@@ -102,9 +106,7 @@ def log_artifact(state: TrackerState, run_dir: Path, path: Path, name: str, init
                      resume="allow", dir=str(run_dir / TRACKERS_DIR), mode=extra.get("mode", "online"),
                      settings=wandb.Settings(init_timeout=init_timeout_s, console="off", silent=True))
     artifact = wandb.Artifact(name, type="model")
-    if path.is_dir():
-        artifact.add_dir(str(path))
-    else:
+    for path in paths:
         artifact.add_file(str(path))
     run.log_artifact(artifact)
     run.finish()
