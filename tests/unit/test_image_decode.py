@@ -4,7 +4,6 @@ both show an image as its EXIF orientation says, and no deprecation warning is l
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import warnings
 from pathlib import Path
@@ -18,9 +17,19 @@ from hpctrain.data import image_decode
 from hpctrain.data.image_decode import backend, decode_image, decode_jpegs
 from hpctrain.datasets.fixtures import make_celebamask, make_imagefolder
 
-HAS_TORCHCODEC = importlib.util.find_spec("torchcodec") is not None
-needs_torchcodec = pytest.mark.skipif(not HAS_TORCHCODEC, reason="torchcodec is not installed: the torchvision path "
-                                      "alone is tested")
+
+
+def _torchcodec_loads() -> bool:
+    try:
+        import torchcodec.decoders  # noqa: F401
+    except (ImportError, OSError, RuntimeError):  # absent, or built for another torch
+        return False
+    return True
+
+
+HAS_TORCHCODEC = _torchcodec_loads()
+needs_torchcodec = pytest.mark.skipif(not HAS_TORCHCODEC, reason="torchcodec is not installed or does not load with "
+                                      "this torch: the torchvision path alone is tested")
 JPEG_TOLERANCE = 1
 """Grey levels two JPEG decoders may differ by (IDCT rounding of another libjpeg build); PNG must be exact."""
 
