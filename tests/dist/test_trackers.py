@@ -241,3 +241,22 @@ def test_a_sweep_with_mlflow_gives_one_run_per_point_grouped(tmp_path: Path, mon
     assert by_name["p000_lr=1e-3"].data.params["optim.lr"] == "0.001"
     assert by_name["p001_lr=2e-3"].data.params["optim.lr"] == "0.002"
     assert all(sorted(m.step for m in client.get_metric_history(r.info.run_id, "train/loss")) == [2, 4] for r in runs)
+
+
+def test_the_export_goes_to_the_same_tracker_runs_as_a_model_artifact(faulted, mlflow_server, tmp_path: Path):
+    """`hpctrain export --to-trackers`, on a copy of the run dir (W&B's new offline part lands there, the shared run
+    dir keeps its three)."""
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(faulted[0], copy)
+    res = run_hpctrain(["export", str(copy), "--out", str(copy / "model.safetensors"), "--to-trackers"], timeout=120)
+    assert res.returncode == 0, res.output
+    assert "export logged to mlflow" in res.stderr and "export logged to wandb" in res.stderr, res.stderr
+    client = mlflow.tracking.MlflowClient(tracking_uri=mlflow_server)
+    run = the_mlflow_run(client, MLFLOW_EXPERIMENT)
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "model")] == ["model/model.safetensors",
+                                                                               "model/model.toml"]
+    run_id, parts = wandb_parts(copy)
+    kinds = [r.WhichOneof("record_type") for r in wandb_records(next(parts[-1].glob("*.wandb")))]
+    assert len(parts) == 4 and "artifact" in kinds, kinds

@@ -254,3 +254,16 @@ def test_the_offline_sync_command_names_every_launchs_part(tmp_path: Path):
     assert wandb_client.sync_command(TrackerState(run_id="x", extra={"mode": "online"})) == ""
     write_state(tmp_path, "wandb", state)
     assert build.offline_sync_command(tmp_path) == wandb_client.sync_command(state)
+
+
+def test_a_fresh_start_in_a_used_run_dir_sets_the_tracker_runs_aside(tmp_path: Path):
+    """No checkpoint to resume: the earlier attempt's tracker runs are not continued (a new training, a new run)."""
+    from hpctrain.train.rundir import set_aside_records
+
+    write_state(tmp_path, "mlflow", TrackerState(run_id="earlier", sent_step=4))
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(_train(4)) + "\n")
+    moved = set_aside_records(tmp_path)
+    assert read_state(tmp_path, "mlflow") is None
+    assert {p.name.split(".")[0] for p in moved} == {"metrics", "trackers"}
+    kept = next(p for p in moved if p.name.startswith("trackers."))
+    assert json.loads((kept / "mlflow.json").read_text())["run_id"] == "earlier"  # kept, as metrics.jsonl is
