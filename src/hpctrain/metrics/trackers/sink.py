@@ -34,6 +34,7 @@ import numpy as np
 
 from hpctrain.metrics.records import EVENTS, metric_values, read_metrics
 from hpctrain.metrics.trackers.state import TrackerState, read_state, write_state
+from hpctrain.threads import lower_priority
 
 log = logging.getLogger("hpctrain")
 
@@ -159,6 +160,7 @@ class TrackerSink:
     # ---- the tracker's thread -----------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        lower_priority()  # before the client starts its helper processes (wandb-core inherits it)
         pending: dict[int, _Step] = {}
         try:
             plan = self._open()
