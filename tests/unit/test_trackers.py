@@ -267,3 +267,43 @@ def test_a_fresh_start_in_a_used_run_dir_sets_the_tracker_runs_aside(tmp_path: P
     assert {p.name.split(".")[0] for p in moved} == {"metrics", "trackers"}
     kept = next(p for p in moved if p.name.startswith("trackers."))
     assert json.loads((kept / "mlflow.json").read_text())["run_id"] == "earlier"  # kept, as metrics.jsonl is
+
+
+def test_mlflow_in_another_store_gets_the_whole_run_so_far_and_a_changed_setting_is_a_tag(tmp_path: Path, monkeypatch):
+    """With the real MLflow client on two file stores: a launch whose log.mlflow_uri changed starts a run in the new
+    store and sends it everything metrics.jsonl has up to its start; the old store's run stays as it was."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    from hpctrain.metrics.trackers.mlflow_client import MlflowClient as Tracker
+
+    # What mlflow_settings would set in this process, set here so that the test leaves the environment as it was.
+    for name, value in {"MLFLOW_ALLOW_FILE_STORE": "true", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
+                        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                        "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}.items():
+        monkeypatch.setenv(name, value)
+    lines = [_train(s, loss=s / 10) for s in range(1, 9)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    stores = [(tmp_path / name).as_uri() for name in ("a", "b")]
+
+    def launch(uri: str, start: int, steps: range, lr: float = 0.1) -> None:
+        client = Tracker(uri=uri, experiment="exp", run_name="run", group="", tags=(), params={"optim.lr": lr},
+                         start_step=start, timeout_s=5)
+        sink = _sink(tmp_path, client, start=start, total=8, durable=lambda: 8)
+        for step in steps:
+            sink.write(_train(step, loss=step / 10))
+        sink.close()
+        assert not sink.failed, sink.failed
+
+    launch(stores[0], 0, range(1, 5))
+    launch(stores[1], 4, range(5, 9))
+    histories = []
+    for uri in stores:
+        client = MlflowClient(tracking_uri=uri)
+        (run,) = client.search_runs([client.get_experiment_by_name("exp").experiment_id])
+        histories.append(sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss")))
+    assert histories == [[1, 2, 3], list(range(1, 9))]  # 4 was kept back for the next launch, which went elsewhere
+    launch(stores[1], 8, range(0), lr=0.2)  # a resume with a changed setting: MLflow's params cannot change
+    client = MlflowClient(tracking_uri=stores[1])
+    (run,) = client.search_runs([client.get_experiment_by_name("exp").experiment_id])
+    assert run.data.params["optim.lr"] == "0.1" and run.data.tags["hpctrain.changed.optim.lr"] == "0.2 from step 8 (was 0.1)"

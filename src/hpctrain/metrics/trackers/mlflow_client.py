@@ -6,6 +6,7 @@ value, a tag hpctrain.changed.KEY saying from which step it holds."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,8 @@ from typing import Any
 import numpy as np
 
 from hpctrain.metrics.trackers.state import TRACKERS_DIR, TrackerState
+
+log = logging.getLogger("hpctrain")
 
 NAME = "mlflow"
 UID_TAG = "hpctrain.uid"
@@ -63,6 +66,12 @@ class MlflowClient:
 
         mlflow_settings(self.uri, self.timeout_s)
         self.client = Client(tracking_uri=self.uri)
+        if state.extra.get("uri", self.uri) != self.uri:
+            # log.mlflow_uri changed since the last launch: the run begins in the new store, and the sink sends it
+            # the run so far from metrics.jsonl (sent_step 0)
+            log.warning("log.mlflow_uri is %s, the run's MLflow run was at %s: a new run there gets the whole run "
+                        "so far", self.uri, state.extra["uri"])
+            state = TrackerState(uid=state.uid)
         self.run_id = state.run_id or self._find(state.uid) or self._create(state.uid)
         self.client.update_run(self.run_id, status="RUNNING")
         self._log_params()

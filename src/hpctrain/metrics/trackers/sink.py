@@ -26,6 +26,7 @@ import logging
 import math
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -146,11 +147,12 @@ class TrackerSink:
 
     def close(self) -> None:
         """Send what is due and end, waiting at most log.tracker_timeout_s; what is left is in metrics.jsonl."""
+        deadline = time.monotonic() + self.timeout_s
         try:
             self.queue.put(_CLOSE, timeout=self.timeout_s)
         except queue.Full:
             pass
-        self.thread.join(self.timeout_s)
+        self.thread.join(max(0.0, deadline - time.monotonic()))
         if self.thread.is_alive():
             log.warning("tracker %s did not finish within log.tracker_timeout_s=%g s; what it has not sent is in "
                         "metrics.jsonl and goes out at the run's next launch", self.client.name, self.timeout_s)
