@@ -4,7 +4,7 @@ loopback and stops by pid; W&B runs in offline mode and is read back from the fi
 
 One training is shared by most tests: 2 processes, both trackers on, stopped by a SIGTERM at step 6 and resumed,
 then SIGKILLed on rank 0 inside step 16, after its last checkpoint (step 12, or 8 while 12's background write had
-not committed) with step 14 logged, and resumed to step 20.
+not committed) with step 14 logged, and resumed on 1 process (an elastic resume) to step 20.
 Faults come from HPCTRAIN_FAULT (hpctrain/fault/inject.py), so each step is deterministic."""
 
 from __future__ import annotations
@@ -132,8 +132,9 @@ def faulted(mlflow_server, tmp_path_factory):
         # write of 12 had not committed yet), and lost with it
         killed = train(run_dir, 2, *trackers, fault="kill:rank=0:step=15", env=env)
         assert killed.returncode != 0 and "resumed from" in killed.stderr, killed.output
-        done = train(run_dir, 2, *trackers, env=env)
+        done = train(run_dir, 1, *trackers, env=env)  # and elastic: the rest on 1 process
         assert done.returncode == 0, done.output
+        assert "saved by 2 process(es)" in done.stderr, done.stderr
         assert "resumed from" in done.stderr and "tracker wandb failed" not in done.stderr, done.stderr
         assert "wandb sync --id" in done.stderr  # the end of the job's log says how to upload the offline run
     finally:
