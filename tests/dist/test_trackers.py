@@ -175,7 +175,9 @@ def wandb_parts(run_dir: Path) -> tuple[str, list[Path]]:
 def test_wandb_offline_one_run_id_across_the_requeues_whose_history_is_metrics_jsonl(faulted):
     run_dir = faulted[0]
     run_id, parts = wandb_parts(run_dir)
-    assert len(parts) == 3 and all(p.name.endswith(f"-{run_id}") for p in parts)  # one per launch, one id
+    # One part per launch that opened W&B, all with the one id: the first and the last surely; the killed one if
+    # its tracker thread had opened the run before the kill (it then holds only steps the resume does not redo).
+    assert len(parts) in (2, 3) and all(p.name.endswith(f"-{run_id}") for p in parts), parts
     history: dict[str, dict[int, float]] = {}
     pictures, config = [], {}
     for part in parts:
@@ -251,6 +253,7 @@ def test_the_export_goes_to_the_same_tracker_runs_as_a_model_artifact(faulted, m
 
     copy = tmp_path / "run"
     shutil.copytree(faulted[0], copy)
+    before = len(wandb_parts(copy)[1])
     res = run_hpctrain(["export", str(copy), "--out", str(copy / "model.safetensors"), "--to-trackers"], timeout=120)
     assert res.returncode == 0, res.output
     assert "export logged to mlflow" in res.stderr and "export logged to wandb" in res.stderr, res.stderr
@@ -260,4 +263,4 @@ def test_the_export_goes_to_the_same_tracker_runs_as_a_model_artifact(faulted, m
                                                                                "model/model.toml"]
     run_id, parts = wandb_parts(copy)
     kinds = [r.WhichOneof("record_type") for r in wandb_records(next(parts[-1].glob("*.wandb")))]
-    assert len(parts) == 4 and "artifact" in kinds, kinds
+    assert len(parts) == before + 1 and "artifact" in kinds, kinds

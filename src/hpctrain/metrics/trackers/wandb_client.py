@@ -36,6 +36,7 @@ class WandbClient:
         self.init_timeout_s = init_timeout_s
         self.run = None
         self.run_id = ""
+        self.url = ""
         self.extra: dict[str, Any] = {}
 
     def open(self, state: TrackerState) -> TrackerState:
@@ -57,6 +58,7 @@ class WandbClient:
         )
         self.run.config.update(self.params, allow_val_change=True)  # a resume's changed settings
         self.run_id = run_id
+        self.url = "" if self.offline else (self.run.url or "")
         self.extra = {"mode": "offline" if self.offline else "online", "project": self.project,
                       "entity": self.entity, "dir": str(self.run_dir / TRACKERS_DIR / "wandb")}
         return TrackerState(uid=state.uid, run_id=run_id, sent_step=state.sent_step, extra=self.extra)
@@ -75,7 +77,7 @@ class WandbClient:
     def note(self) -> str:
         state = TrackerState(run_id=self.run_id, extra=self.extra)
         command = sync_command(state)
-        return f"offline run {self.run_id}; upload it with: {command}" if command else f"run {self.run_id}"
+        return f"offline run {self.run_id}; upload it with: {command}" if command else f"run {self.run_id} {self.url}"
 
     def close(self, complete: bool) -> None:
         if self.run is None:
