@@ -88,9 +88,10 @@ def prepare(workdir: Path, images: int) -> tuple[Path, Path]:
 
 def _decode(data: bytes):
     import torch
-    from torchvision.io import decode_jpeg
 
-    return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    from hpctrain.data.image_decode import decode_image
+
+    return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), "UNCHANGED")
 
 
 class PerFile:

@@ -56,7 +56,10 @@ def uninterrupted(cluster, tmp_path_factory):
     """One complete 2 x 2 job, shared by the tests that compare against it."""
     work = tmp_path_factory.mktemp("work")
     run_dir = work / "two-nodes"
-    job_id = submit(cluster, run_dir, f"slurm.job_name={HOSTILE_NAME}", cwd=work)  # str values are taken as typed
+    # MLflow on, in its default file store in the run dir (the nodes reach nothing else): the preempted job's
+    # tracker run is compared with this one's
+    job_id = submit(cluster, run_dir, f"slurm.job_name={HOSTILE_NAME}", 'log.trackers=["mlflow"]',
+                    cwd=work)  # str values are taken as typed
     fields = cluster.wait_job(job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), timeout=150)
     assert fields["JobState"] == "COMPLETED", f"{fields}\n{job_log(run_dir)}"
     return run_dir, job_id, fields, work
@@ -83,12 +86,14 @@ def test_two_node_job_completes_on_both_hosts_and_equals_a_local_run(cluster, un
     assert same_params(final_params(run_dir), final_params(local))
 
 
-def test_preemption_signal_checkpoints_requeues_and_resumes_to_the_same_result(cluster, uninterrupted, tmp_path):
+def test_preemption_signal_checkpoints_requeues_and_resumes_to_the_same_result(cluster, uninterrupted, tmp_path,
+                                                                               monkeypatch):
     reference = uninterrupted[0]
     run_dir = tmp_path / "preempted"
     # With a loader worker per rank: srun passes the signal to every process of the step, workers and the
     # forkserver helper included, and none of them may die of it (a dead helper took the workers along).
-    job_id = submit(cluster, run_dir, "data.num_workers=1", cwd=tmp_path)
+    job_id = submit(cluster, run_dir, "data.num_workers=1", 'log.trackers=["mlflow","wandb"]', "log.wandb_offline=true",
+                    cwd=tmp_path)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while not (metrics.exists() and any(r["step"] >= 15 for r in read_jsonl(metrics))):
@@ -126,6 +131,34 @@ def test_preemption_signal_checkpoints_requeues_and_resumes_to_the_same_result(c
     ours, theirs = val_records(run_dir)[-1], val_records(reference)[-1]
     assert ours["step"] == theirs["step"] == 40 and ours["accuracy"] == theirs["accuracy"]
     assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-3)  # same run, up to the amplified rounding
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # to read the runs' default file stores
+    check_tracker_runs(cluster, run_dir, reference)
+
+
+def check_tracker_runs(cluster, run_dir: Path, reference: Path) -> None:
+    """The preempted and requeued job has one MLflow run whose history is its metrics.jsonl, with the steps and
+    keys of the uninterrupted job's run (the values agree as the records do: up to the rounding explained above);
+    its W&B offline run has one id, a part per launch, and `hpctrain slurm status` says how to upload it."""
+    import mlflow
+
+    from tests.tracker_history import expected_history, mlflow_history, no_step_twice, the_mlflow_run
+
+    histories = []
+    for run in (run_dir, reference):
+        client = mlflow.tracking.MlflowClient(tracking_uri=(run / "trackers" / "mlruns").as_uri())
+        tracked = the_mlflow_run(client, "digits")
+        assert tracked.info.status == "FINISHED"
+        history = mlflow_history(client, tracked)
+        no_step_twice(history)
+        assert {k: dict(v) for k, v in history.items()} == expected_history(run)
+        histories.append({k: sorted(dict(v)) for k, v in history.items()})
+    assert histories[0] == histories[1] and histories[0]["train/loss"] == list(range(5, 41, 5))
+    run_id = json.loads((run_dir / "trackers" / "wandb.json").read_text())["run_id"]
+    parts = sorted((run_dir / "trackers" / "wandb").glob("offline-run-*"))
+    assert len(parts) == 2 and all(p.name.endswith(f"-{run_id}") for p in parts)  # before and after the requeue
+    assert "upload it with: wandb sync --id" in job_log(run_dir)
+    status = run_hpctrain(["slurm", "status", str(run_dir)], env={"SLURM_CONF": str(cluster.conf)})
+    assert f"W&B offline run; upload it with: wandb sync --id {run_id}" in status.stdout, status.output
 
 
 def test_killed_worker_fails_the_job_fast_and_names_its_host(cluster, tmp_path):

@@ -14,7 +14,8 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "hpctrain"
 
 # The layers, bottom to top (docs/development.md shows the same table). A name is a package or a top-level module.
 LAYERS: dict[str, int] = {
-    **dict.fromkeys(("errors", "units", "atomic", "compat", "logs", "process_exit", "filesystems", "proctree", "provenance"), 0),
+    **dict.fromkeys(("errors", "units", "atomic", "compat", "logs", "process_exit", "filesystems", "proctree", "provenance",
+                     "threads"), 0),
     "config": 1,
     **dict.fromkeys(("dist", "metrics"), 2),
     **dict.fromkeys(("checkpoint", "data", "fault", "monitor", "slurm", "doctor"), 3),

@@ -4,12 +4,19 @@ from pathlib import Path
 from hpctrain.metrics.plots import plot_training
 from hpctrain.metrics.records import read_metrics, series
 from hpctrain.metrics.sinks import build_metrics_logger, format_record
+from hpctrain.resolution import resolve_config
 from hpctrain.train.rundir import write_config
+
+
+def log_config(run_dir: Path, progress: str, tensorboard: bool):
+    """digits' config with these log settings in ``run_dir`` (what build_metrics_logger reads)."""
+    return resolve_config("digits", None, [f"run.dir={run_dir}", f"log.progress={progress}",
+                                           f"log.tensorboard={str(tensorboard).lower()}"])[1]
 
 
 def test_logger_writes_jsonl_only_on_rank_0(tmp_path: Path):
     for rank_is_main, expect in ((False, False), (True, True)):
-        logger = build_metrics_logger(rank_is_main, tmp_path, "off", False, 10, 0, tty=False)
+        logger = build_metrics_logger(log_config(tmp_path, "off", False), rank_is_main, 10, 0, tty=False)
         logger.log({"step": 1, "split": "train", "loss": 0.5})
         logger.close()
         assert (tmp_path / "metrics.jsonl").exists() is expect
@@ -18,14 +25,14 @@ def test_logger_writes_jsonl_only_on_rank_0(tmp_path: Path):
 
 
 def test_tensorboard_events_are_written(tmp_path: Path):
-    logger = build_metrics_logger(True, tmp_path, "off", True, 10, 0, tty=False)
+    logger = build_metrics_logger(log_config(tmp_path, "off", True), True, 10, 0, tty=False)
     logger.log({"step": 3, "split": "val", "accuracy": 0.9})
     logger.close()
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
 
 def test_progress_bar_on_a_terminal(tmp_path: Path, capsys):
-    logger = build_metrics_logger(True, tmp_path, "auto", False, 10, 0, tty=True)
+    logger = build_metrics_logger(log_config(tmp_path, "auto", False), True, 10, 0, tty=True)
     logger.log({"step": 4, "split": "train", "loss": 0.25, "samples_per_s": 100.0})
     logger.log({"step": 5, "split": "val", "accuracy": 0.75})
     logger.close()
@@ -126,7 +133,7 @@ def test_stop_and_resume_events_go_to_metrics_jsonl_only(tmp_path: Path, caplog)
     """The report reads them from metrics.jsonl; the console has the log's own lines, TensorBoard no use for them."""
     import logging
 
-    logger = build_metrics_logger(True, tmp_path, "lines", False, 30, 15, tty=False)
+    logger = build_metrics_logger(log_config(tmp_path, "lines", False), True, 30, 15, tty=False)
     with caplog.at_level(logging.INFO, logger="hpctrain"):
         logger.log({"step": 15, "split": "stop", "epoch": 0, "signal": "SIGTERM"})
         logger.log({"step": 15, "split": "resume", "epoch": 0, "checkpoint": "step_00000015", "world_size": 2,

@@ -6,9 +6,10 @@ the GIL for the large writes, and a thread needs no second copy of the state thr
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Callable, Generic, TypeVar
+
+from hpctrain.threads import lower_priority
 
 T = TypeVar("T")
 
@@ -28,7 +29,7 @@ class BackgroundWriter(Generic[T]):
             raise RuntimeError("a checkpoint write is still running; wait() for it first")
 
         def run() -> None:
-            _lower_priority()
+            lower_priority()
             self._outcome = write()
 
         # Not a daemon: a process that ends (even by an exception elsewhere) finishes the write it
@@ -46,12 +47,3 @@ class BackgroundWriter(Generic[T]):
         self._thread.join()
         outcome, self._thread, self._outcome = self._outcome, None, None
         return outcome
-
-
-def _lower_priority() -> None:
-    """On Linux nice applies per thread: the writer yields CPU to the training threads where cores are
-    scarce (hashing and pickling 500 MB is seconds of CPU), and costs nothing where they are not."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-    except (AttributeError, OSError):  # not Linux, or not allowed: run at the normal priority
-        pass

@@ -123,6 +123,10 @@ class Checkpointer:
         """Rank 0 asks it right before a checkpoint is renamed into place and ``latest`` moved (also in the background
         writer, which may finish after the training stopped): '' to commit, else why not (train/run.py passes the run
         dir lock's check: a save begun before another training took the run dir is dropped, not committed)."""
+        self.committed_step = 0
+        """The step of the newest checkpoint this run can resume from: the one restored, then each one committed (on
+        rank 0, also by the background writer). Records up to it can no longer be redone by a resume, so the
+        experiment trackers may send them (metrics/trackers)."""
         self._stager: CheckpointStager | None = None
         # Made here, when every rank builds its Checkpointer at the same point (new_group is a collective).
         self._async_group = None
@@ -263,6 +267,7 @@ class Checkpointer:
             merged |= storage.write_files(job.tmp, files)
             commit = {"commit_allowed": self.commit_allowed} if self.commit_allowed is not None else {}
             path = storage.finish_checkpoint(self.root, job.tmp, job.step, merged, job.meta, **commit)
+            self.committed_step = max(self.committed_step, job.step)
             self._retire_old(path)
         except storage.CommitRefused as err:
             log.error("checkpoint of step %d not committed: %s", job.step, err)
@@ -317,6 +322,7 @@ class Checkpointer:
 
     def _load(self, chosen: _Chosen, stateful: Mapping[str, Any]) -> Resumed:
         path, info = chosen.path, chosen.info
+        self.committed_step = int(info.get("step", 0))
         full = stateful
         start_ema = dcp_state.has_ema(stateful) and "ema" not in chosen.parts  # EMA turned on at this resume
         if start_ema:

@@ -4,7 +4,10 @@ writing: hpctrain/export.py), from the run's own config and checkpoint, in this 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
+
+from hpctrain.errors import UserError
 
 
 def add_parser(sub) -> None:
@@ -25,6 +28,9 @@ def add_parser(sub) -> None:
                        help="the training weights, not the EMA ones")
     export.add_argument("--resume", default="auto", metavar="auto|PATH",
                         help="the checkpoint: the latest (auto, the default) or a checkpoint directory")
+    export.add_argument("--to-trackers", action="store_true",
+                        help="also log the export as a model artifact of the run's tracker runs (log.trackers: W&B, "
+                        "MLflow; an offline W&B run gets it for its next wandb sync)")
     export.add_argument("--debug", action="store_true", help="show tracebacks")
     export.set_defaults(run=run)
 
@@ -33,10 +39,25 @@ def run(args: argparse.Namespace) -> int:
     from hpctrain.logs import setup_logging
 
     setup_logging(debug=args.debug)
-    for path in export_run(Path(args.run_dir), Path(args.out) if args.out else None, args.resume,
-                           args.weights or "auto"):
+    paths = export_run(Path(args.run_dir), Path(args.out) if args.out else None, args.resume, args.weights or "auto")
+    for path in paths:
         print(path, flush=True)
+    if args.to_trackers:
+        to_trackers(Path(args.run_dir), paths)
     return 0
+
+
+def to_trackers(run_dir: Path, paths: list[Path]) -> None:
+    """The exported files as a model artifact of every tracker run the run dir's config names (log.trackers)."""
+    from hpctrain.metrics.trackers.build import log_model_artifact
+    from hpctrain.resolution import resolve_weights
+
+    log = resolve_weights(run_dir, "auto")[1].log
+    if not [t for t in log.trackers if t != "tensorboard"]:
+        raise UserError(f"--to-trackers: the run in {run_dir} has no experiment tracker (log.trackers is empty)",
+                        "the export is written; train with log.trackers=[\"wandb\"] or [\"mlflow\"] to track a run.")
+    for name in log_model_artifact(run_dir, paths, log.trackers, log.tracker_timeout_s):
+        print(f"hpctrain: export logged to {name} as a model artifact", file=sys.stderr, flush=True)
 
 
 def export_run(run_dir: Path, out: Path | None = None, resume: str = "auto", weights: str = "auto") -> list[Path]:

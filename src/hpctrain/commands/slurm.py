@@ -16,6 +16,7 @@ from hpctrain.config.load import config_to_toml, flat_differences
 from hpctrain.config.schema import RunConfig
 from hpctrain.errors import UserError
 from hpctrain.fault import submit_guard
+from hpctrain.metrics.trackers.build import offline_sync_command
 from hpctrain.slurm import facts, job, lint, render
 from hpctrain.slurm.progress import progress_line
 
@@ -93,6 +94,7 @@ def check_job(cfg: RunConfig) -> int:
 
 
 def submit_job(cfg: RunConfig, force: bool) -> int:
+    from hpctrain.metrics.trackers.build import check_installed
     from hpctrain.train.resume_check import check_resume
 
     spec = job.job_spec(cfg)
@@ -101,6 +103,7 @@ def submit_job(cfg: RunConfig, force: bool) -> int:
     # (its batch, its optimizer, a model whose parameters it does not fit). --force only submits when Slurm did not
     # answer whether the run dir's job still runs.
     submit_guard.refuse_busy_run_dir(Path(spec.run_dir), force)
+    check_installed(cfg.log.trackers)  # the job's environment is this one (slurm.python: the same interpreter)
     checkpoint = check_resume(cfg)
     findings = check_findings(cfg, spec, model_changes(cfg, checkpoint))
     errors = [f for f in findings if f.level == "error"]
@@ -186,6 +189,9 @@ def show_status(target: str) -> int:
               + (f", requeued {restarts} time(s)" if restarts not in ("0", "") else ""))
     if run_dir is not None:
         print(progress_line(run_dir))
+        sync = offline_sync_command(run_dir)
+        if sync:
+            print(f"W&B offline run; upload it with: {sync}")
     return 0
 
 

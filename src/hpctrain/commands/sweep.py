@@ -14,6 +14,7 @@ from hpctrain.commands.arguments import add_run_args
 from hpctrain.commands.slurm import shard_dirs
 from hpctrain.errors import UserError
 from hpctrain.fault import submit_guard
+from hpctrain.metrics.trackers.build import check_installed
 from hpctrain.slurm import facts, job, lint, render
 from hpctrain.sweep.array import array_spec, point_table, refuse_live_array, unfinished
 from hpctrain.sweep.local import run_locally
@@ -92,6 +93,8 @@ def submit_command(req: SubmitRequest) -> int:
     plan, configs = build_sweep(req.experiment, req.config_file, req.overrides, list(req.grid), req.sweep_dir,
                                req.allow_large)
     print(point_table(plan), file=sys.stderr)
+    for cfg in configs.values():  # log.trackers may be an axis
+        check_installed(cfg.log.trackers)
     going_on = (plan.sweep_dir / SWEEP_FILE).exists()
     if going_on:  # another grid or settings in a used dir: refused whatever state its points are in
         check_same_sweep(plan, configs)

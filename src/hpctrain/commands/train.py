@@ -116,9 +116,11 @@ def preflight(cfg: RunConfig, world_size: int) -> None:
     """What can be known wrong in a training before any process starts: batch arithmetic, run dir, checkpoint."""
     batch_sizes(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
     ensure_writable(Path(cfg.run_dir))
+    from hpctrain.metrics.trackers.build import check_installed
     from hpctrain.train.resume_check import check_resume
 
     resolve_webhook(cfg.alert)  # an unreadable alert.webhook_file is bad input, found before training
+    check_installed(cfg.log.trackers)  # a tracker without its package: the extra to install, before any process
     check_resume(cfg)
 
 

@@ -10,6 +10,8 @@ from typing import Any
 LIST_EXAMPLES: dict[str, list[Any]] = {
     "optim.betas": [0.9, 0.95],
     "alert.events": ["failure", "complete"],
+    "log.trackers": ["wandb", "mlflow"],
+    "log.tracker_tags": ["baseline", "ablation"],
     "slurm.extra_sbatch": ["--mail-type=END", "--reservation=big"],
     "slurm.modules": ["CUDA/12.4", "NCCL"],
     "slurm.setup": ["source ~/venvs/torch/bin/activate"],

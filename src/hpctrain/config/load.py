@@ -224,6 +224,12 @@ def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
     return out
 
 
+def flat_config(cfg: RunConfig) -> dict[str, Any]:
+    """The resolved config as dotted keys (train.global_batch_size, model.width, ...): the experiment trackers'
+    parameters."""
+    return _flatten(config_to_dict(cfg))
+
+
 def config_to_toml(cfg: RunConfig) -> str:
     """The resolved config as TOML; ``load_config(..., config_file=...)`` reads it back to an equal RunConfig."""
     return tomli_w.dumps(config_to_dict(cfg))

@@ -193,6 +193,31 @@ class LogSection:
     optimizer steps; 0: not by steps. They also run at the end of the run."""
     outputs_every_epochs: int = 0
     """The same every this many epochs; 0: not by epochs."""
+    trackers: tuple[str, ...] = ()
+    """Experiment trackers that get the run besides metrics.jsonl: any of wandb, mlflow (optional extras: pip install
+    hpctrain[wandb] or hpctrain[mlflow]) and tensorboard (the same as log.tensorboard=true). From rank 0 only, in a
+    background thread: a tracker that is slow or down warns once and the training goes on. One tracker run per
+    training, kept in RUN_DIR/trackers/, continued by every resume and requeue (docs/trackers.md)."""
+    tracker_tags: tuple[str, ...] = ()
+    """Tags of the tracker run (W&B tags; MLflow tags with the value 'true')."""
+    tracker_group: str = ""
+    """The group the run belongs to (W&B group; MLflow tag hpctrain.group and, unless log.mlflow_experiment is set,
+    the MLflow experiment). A sweep sets it to the sweep dir's name. Empty: none."""
+    tracker_timeout_s: float = 30.0
+    """Longest wait for a tracker: W&B's init timeout, and at the end of the run the wait for what is still queued
+    (what is left unsent then is in metrics.jsonl and goes out at the run's next launch)."""
+    wandb_project: str = ""
+    """W&B project. Empty: the experiment's name."""
+    wandb_entity: str = ""
+    """W&B entity (user or team). Empty: your default entity."""
+    wandb_offline: bool = False
+    """W&B offline mode: nothing is sent, the run is written under RUN_DIR/trackers/wandb for a later `wandb sync`
+    (the command is printed at the end of the job and by `hpctrain slurm status`). For compute nodes without internet."""
+    mlflow_uri: str = ""
+    """MLflow tracking URI: a tracking server (http://host:5000) or a store. Empty: a file store in RUN_DIR/trackers/
+    mlruns (a sweep's points share SWEEP_DIR/mlruns): nothing leaves the machine."""
+    mlflow_experiment: str = ""
+    """MLflow experiment name (created if missing). Empty: log.tracker_group, else the experiment's name."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -67,6 +67,7 @@ def validate(cfg: Any) -> None:
     _require(cfg.log.every_steps > 0, "log.every_steps", "must be positive")
     _require(cfg.log.outputs_every_steps >= 0, "log.outputs_every_steps", "must be >= 0 (0: not by steps)")
     _require(cfg.log.outputs_every_epochs >= 0, "log.outputs_every_epochs", "must be >= 0 (0: not by epochs)")
+    _validate_trackers(cfg.log)
     _require(cfg.ckpt.every_steps >= 0, "ckpt.every_steps", "must be >= 0 (0: only at the end)")
     _require(cfg.ckpt.keep_last >= 1, "ckpt.keep_last", "must be >= 1: the latest checkpoint is always kept")
     _require(cfg.dist.timeout_s > 0, "dist.timeout_s", "must be positive")
@@ -109,6 +110,19 @@ def validate(cfg: Any) -> None:
                  "inductor (measured: 'Cannot convert expression to float' in the recompile for the validation batch)",
                  "set train.compile=false with fsdp, or use dist.strategy=zero1 (sharded optimizer state) with compile.")
     _validate_slurm(cfg.slurm)
+
+
+TRACKERS = ("wandb", "mlflow", "tensorboard")
+
+
+def _validate_trackers(log: Any) -> None:
+    """log.trackers and their settings (whether the packages are installed is the launch's check: a config is also
+    read where they need not be, on a login node rendering a job)."""
+    bad = [t for t in log.trackers if t not in TRACKERS]
+    _require(not bad, "log.trackers", f"unknown tracker(s) {bad}; choose from {list(TRACKERS)}")
+    _require(len(set(log.trackers)) == len(log.trackers), "log.trackers", f"a tracker is named twice: {list(log.trackers)}")
+    _require(log.tracker_timeout_s > 0, "log.tracker_timeout_s", f"must be positive, got {log.tracker_timeout_s}")
+    _require(all(t.strip() for t in log.tracker_tags), "log.tracker_tags", "an empty tag")
 
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

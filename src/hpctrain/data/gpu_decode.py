@@ -3,8 +3,8 @@
 At GPU speed, decoding JPEGs on the CPU is often what a step waits for. This path moves
 it to the device: loader workers only read bytes and draw the random crop and flip (from
 the per-sample generator, so the result is the same for any number of ranks and
-workers); the rank decodes the whole micro-batch at once with nvJPEG
-(``torchvision.io.decode_jpeg(..., device="cuda")``, batched) and crops, resizes and
+workers); the rank decodes the whole micro-batch at once with nvJPEG (TorchCodec's or
+torchvision's batched ``decode_jpeg(..., device="cuda")``, data/image_decode.py) and crops, resizes and
 flips there. Without CUDA the same functions run on the CPU, which is how they are
 tested here; GPU and CPU decoders differ by a few grey levels (IDCT rounding), so
 results agree within a tolerance, not bit for bit.
@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-JPEG_MAGIC = b"\xff\xd8"
+from hpctrain.data.image_decode import decode_image, decode_jpegs, is_jpeg
 
 
 @dataclass(frozen=True)
@@ -92,18 +92,16 @@ def collate_encoded(samples: Sequence[tuple[Any, ...]]) -> EncodedBatch:
 
 
 def decode_images(data: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Decode to 3 x H x W uint8 on ``device``: JPEGs in one batched call (nvJPEG on CUDA), others on the CPU."""
-    from torchvision.io import ImageReadMode, decode_image, decode_jpeg
-
+    """Decode to 3 x H x W uint8 on ``device``: JPEGs in one batched call (nvJPEG on CUDA), others on the CPU
+    (data/image_decode.py chooses TorchCodec or torchvision)."""
     out: list[torch.Tensor | None] = [None] * len(data)
-    jpegs = [i for i, d in enumerate(data) if bytes(d[:2].tolist()) == JPEG_MAGIC]
+    jpegs = [i for i, d in enumerate(data) if is_jpeg(d)]
     if jpegs:
-        decoded = decode_jpeg([data[i] for i in jpegs], mode=ImageReadMode.RGB, device=device)
-        for i, image in zip(jpegs, decoded):
+        for i, image in zip(jpegs, decode_jpegs([data[i] for i in jpegs], device)):
             out[i] = image
     for i, d in enumerate(data):
         if out[i] is None:
-            out[i] = decode_image(d, mode=ImageReadMode.RGB).to(device, non_blocking=True)
+            out[i] = decode_image(d, "RGB").to(device, non_blocking=True)
     return out  # type: ignore[return-value]
 
 

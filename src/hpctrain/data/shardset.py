@@ -141,9 +141,9 @@ def decode_member(ext: str, data: bytes) -> Any:
     """Bytes of one member -> a value, by WebDataset's extension conventions."""
     last = ext.rsplit(".", 1)[-1]
     if last in IMAGE_EXTS:
-        from torchvision.io import ImageReadMode, decode_image
+        from hpctrain.data.image_decode import decode_image
 
-        return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.UNCHANGED)
+        return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), "UNCHANGED")
     if last in ("cls", "cls2", "index", "label"):
         return int(data.decode("ascii").strip())
     if last == "json":

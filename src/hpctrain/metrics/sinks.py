@@ -1,4 +1,4 @@
-"""Where metric records go: metrics.jsonl, the console, TensorBoard.
+"""Where metric records go: metrics.jsonl, the console, TensorBoard, the experiment trackers (metrics/trackers).
 
 A record is a flat dict: ``step`` (optimizer step), ``split`` ('train' or 'val'),
 ``time`` (Unix seconds) and numbers such as ``loss``, ``lr``, ``samples_per_s``,
@@ -14,13 +14,17 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import numpy as np
 
 from hpctrain.errors import UserError
 from hpctrain.metrics.images import write_png
 from hpctrain.metrics.records import EVENTS, metric_values
+from hpctrain.metrics.trackers.build import build_tracker_sinks
+
+if TYPE_CHECKING:
+    from hpctrain.config.schema import RunConfig
 
 log = logging.getLogger("hpctrain")
 
@@ -196,17 +200,24 @@ class MetricsLogger:
 
 
 def build_metrics_logger(
-    is_main: bool, run_dir: Path, progress: str, tensorboard: bool, total_steps: int, start_step: int, tty: bool
+    cfg: "RunConfig", is_main: bool, total_steps: int, start_step: int, tty: bool,
+    durable_step: Callable[[], int] | None = None,
 ) -> MetricsLogger:
+    """Rank 0's sinks for a training of ``cfg`` that starts at ``start_step`` (after the restore): metrics.jsonl,
+    PNGs, the console, TensorBoard, the trackers of log.trackers. ``durable_step``: the newest committed checkpoint's
+    step (Checkpointer.committed_step), up to which the trackers may send (metrics/trackers/sink.py); None for a
+    training that cannot resume from a checkpoint: they send at once. The other ranks get a logger with no sinks."""
     if not is_main:
         return MetricsLogger([])
+    run_dir, c = Path(cfg.run_dir), cfg.log
     sinks: list[Any] = [JsonlSink(run_dir / "metrics.jsonl"), PngSink(run_dir / "images")]
-    if progress != "off":
-        mode = progress if progress != "auto" else ("bar" if tty else "lines")
+    if c.progress != "off":
+        mode = c.progress if c.progress != "auto" else ("bar" if tty else "lines")
         sinks.append(ConsoleSink(mode, total_steps, start_step))
-    if tensorboard:
+    if c.tensorboard or "tensorboard" in c.trackers:
         try:
             sinks.append(TensorBoardSink(run_dir / "tensorboard"))
         except ImportError:
             log.info("tensorboard is not installed; skipping TensorBoard event files (pip install tensorboard)")
+    sinks += build_tracker_sinks(cfg, start_step, total_steps, durable_step)
     return MetricsLogger(sinks)

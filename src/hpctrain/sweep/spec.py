@@ -5,6 +5,7 @@ path knows about it."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,7 +68,20 @@ def resolve_point(plan: SweepSpec, point: Point) -> RunConfig:
     except UserError as err:
         where = ", ".join(point.overrides)
         raise type(err)(f"sweep point {point.name} ({where}): {err.args[0] if err.args else err}", err.hint) from None
-    return cfg
+    return grouped(cfg, plan.sweep_dir)
+
+
+def grouped(cfg: RunConfig, sweep_dir: Path) -> RunConfig:
+    """A point with experiment trackers: its tracker run in the sweep's group (log.tracker_group, unless set), and
+    with MLflow's default file store the sweep's one (SWEEP_DIR/mlruns), so the points are seen side by side. A
+    point without trackers is left as it is (its config, so an older sweep's, stays the same)."""
+    log = cfg.log
+    if not log.trackers:
+        return cfg
+    changes = {"tracker_group": log.tracker_group or sweep_dir.name}
+    if "mlflow" in log.trackers and not log.mlflow_uri:
+        changes["mlflow_uri"] = (sweep_dir / "mlruns").as_uri()
+    return dataclasses.replace(cfg, log=dataclasses.replace(log, **changes))
 
 
 def write_sweep(plan: SweepSpec, configs: dict[str, RunConfig]) -> None:

@@ -293,10 +293,8 @@ def start_run(ctx: TrainContext, config_text: str, layout: str) -> Resumed | Non
     if cfg.train.compiled:  # before the first compiled step: a requeued job on another node does not compile again
         ctx.compile_cache = CompileCache(Path(cfg.run_dir), runtime.device, runtime.is_main, runtime.local_rank)
         ctx.compile_cache.load()
-    ctx.metrics = build_metrics_logger(
-        runtime.is_main, Path(cfg.run_dir), cfg.log.progress, cfg.log.tensorboard,
-        ctx.total_steps, ctx.state.step, stdout_is_terminal(),
-    )
+    ctx.metrics = build_metrics_logger(cfg, runtime.is_main, ctx.total_steps, ctx.state.step, stdout_is_terminal(),
+                                       durable_step=lambda: ctx.checkpointer.committed_step)
     if resumed is not None:  # where the report marks the resume (a stop by a signal has its own record)
         ctx.metrics.log({"step": ctx.state.step, "split": "resume", "epoch": ctx.state.epoch,
                          "checkpoint": resumed.path.name, "world_size": runtime.world_size,

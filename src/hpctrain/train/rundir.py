@@ -61,8 +61,9 @@ def write_config(run_dir: Path, config_text: str) -> None:
     atomic_write_text(path, config_text)
 
 
-RECORDS = ("metrics.jsonl", "tensorboard")
-"""What a run appends to: a fresh start must not add its lines to another run's."""
+RECORDS = ("metrics.jsonl", "tensorboard", "trackers")
+"""What a run appends to: a fresh start must not add its lines to another run's (nor continue its tracker runs:
+RUN_DIR/trackers holds their ids)."""
 
 
 def set_aside_records(run_dir: Path) -> list[Path]:

@@ -41,10 +41,10 @@ class ReleaseLayout(Dataset):
         return len(self.ids)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        from torchvision.io import ImageReadMode, decode_image
+        from hpctrain.data.image_decode import decode_image
 
         data = celebamask.read_image(self.root, self.ids[i])
-        image = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+        image = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), "RGB")
         labels = torch.from_numpy(celebamask.label_map(self.root, self.ids[i], (self.size, self.size)).copy())
         return resize_image(image, self.size), labels
 
@@ -91,9 +91,9 @@ def _rgb(image: torch.Tensor) -> torch.Tensor:
 
 
 def _decode_labels(data: torch.Tensor) -> torch.Tensor:
-    from torchvision.io import ImageReadMode, decode_image
+    from hpctrain.data.image_decode import decode_image
 
-    return decode_image(data, mode=ImageReadMode.GRAY)[0]
+    return decode_image(data, "GRAY")[0]
 
 
 def crop_flip(sample: tuple[torch.Tensor, torch.Tensor], gen: torch.Generator, size: int,

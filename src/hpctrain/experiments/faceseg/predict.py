@@ -45,7 +45,7 @@ def load_predictor(cls: type[Experiment], cfg: RunConfig, device: torch.device):
 
 def read_image(path: Path) -> torch.Tensor:
     """3 x H x W uint8, or a UserError naming the file."""
-    from torchvision.io import ImageReadMode, decode_image
+    from hpctrain.data.image_decode import decode_image
 
     if path.is_dir():
         raise UserError(f"'{path}' is a folder", "give image files (e.g. DIR/*.jpg).")
@@ -53,9 +53,8 @@ def read_image(path: Path) -> torch.Tensor:
         raise UserError(f"image '{path}' does not exist", "give paths of JPEG or PNG files.")
     try:
         # EXIF orientation applied: a phone's portrait JPEG is predicted (and its mask written) the way it is shown.
-        image = decode_image(torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8), mode=ImageReadMode.RGB,
-                             apply_exif_orientation=True)
-    except Exception as err:  # torchvision raises RuntimeError for unreadable files
+        image = decode_image(torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8), "RGB")
+    except Exception as err:  # both decoders raise RuntimeError for unreadable files
         raise UserError(f"cannot read image '{path}' ({type(err).__name__})", "give JPEG or PNG files.") from None
     if image.dtype != torch.uint8:  # a 16-bit PNG decodes to uint16
         image = (image.to(torch.int32) >> 8).to(torch.uint8)
