@@ -18,6 +18,11 @@ set, no loader workers, fp32, no clipping, no EMA. Two models:
         torchrun) what is left is each loop's own Python per step, without the gloo noise of two processes
         on a small machine.
 
+Two more rows measure the levels at which a user brings their own training (issue 40): `session`, the plain loop
+written as a loop of its own under hpctrain.session() (overhead_session.py; goal: within 3% of `plain`), and
+`step`, the same step as a StepExperiment (overhead:MlpStep / TinyStep, hpctrain's loop around the experiment's
+train_step; goal: within 3% of `hpctrain`, the equivalent Experiment).
+
 Time over `measured` steps after `warmup`, between two synchronising points (barriers for the peers;
 hpctrain's log records at those steps, which follow its loss all-reduce). hpctrain runs as a user
 runs it (`hpctrain train`): its per-step work (heartbeat, stop-signal vote, loss bookkeeping, a log
@@ -44,6 +49,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from hpctrain.experiments.base import Datasets, Experiment
+from hpctrain.experiments.step_experiment import StepExperiment
 
 LR = 1e-3
 HERE = Path(__file__).resolve().parent
@@ -60,13 +66,13 @@ class Workload:
     micro_batch: int
     samples: int
     """Enough that the measured window stays inside the first epoch."""
-    variants: tuple[str, ...] = ("plain", "hpctrain", "fabric", "accelerate")
+    variants: tuple[str, ...] = ("plain", "session", "hpctrain", "step", "fabric", "accelerate")
 
 
 WORKLOADS = {
     "mlp": Workload("Mlp", warmup=50, measured=300, micro_batch=128, samples=16384),
     "tiny": Workload("Tiny", warmup=200, measured=3000, micro_batch=1, samples=16384,
-                     variants=("plain", "plain+vote", "hpctrain", "fabric", "accelerate")),
+                     variants=("plain", "plain+vote", "session", "hpctrain", "step", "fabric", "accelerate")),
 }
 
 
@@ -115,6 +121,37 @@ class Tiny(_Overhead):
     name, workload = "overhead-tiny", "tiny"
 
 
+class _OverheadStep(StepExperiment):
+    """The same workload as a StepExperiment: the step an Experiment's loop makes, written out (accumulation 1)."""
+
+    workload = ""
+
+    def build_models(self):
+        return {"model": build_model(self.workload)}
+
+    def build_optimizers(self, models):
+        return {"opt": torch.optim.AdamW(models["model"].parameters(), lr=LR, weight_decay=0.01)}
+
+    def build_datasets(self) -> Datasets:
+        return Datasets(train=build_data(self.workload))
+
+    def train_step(self, step) -> None:
+        model = step.models["model"]
+        for (x, y), _ in step.micro_batches():
+            loss = loss_fn(self.workload, model(x), y)
+            step.backward(loss)
+            step.log(loss=loss.detach())
+        step.optimizer_step()
+
+
+class MlpStep(_OverheadStep):
+    name, workload = "overhead-mlp-step", "mlp"
+
+
+class TinyStep(_OverheadStep):
+    name, workload = "overhead-tiny-step", "tiny"
+
+
 def env() -> dict[str, str]:
     # One intra-op thread per process, as torchrun sets for several: the same for every loop with --nproc 1 too.
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
@@ -130,17 +167,23 @@ def run_peer(variant: str, model: str, nproc: int, tmp: Path) -> float:
     return 1 / json.loads(out.read_text())["steps_per_s"]
 
 
-def run_hpctrain(model: str, nproc: int, tmp: Path, i: int) -> float:
-    """Seconds per step."""
+def run_hpctrain(model: str, nproc: int, tmp: Path, i: int, variant: str = "hpctrain") -> float:
+    """Seconds per step of hpctrain's own loop: an Experiment (hpctrain), a StepExperiment (step), or a loop of the
+    user's own under hpctrain.session() (session)."""
     w = WORKLOADS[model]
-    run_dir = tmp / f"hpctrain{i}"
-    cmd = [sys.executable, "-m", "hpctrain", "train", f"overhead:{w.experiment}", "--nproc-per-node", str(nproc),
-           f"run.dir={run_dir}", f"train.max_steps={w.warmup + w.measured}",
+    run_dir = tmp / f"{variant}{i}"
+    if variant == "session":
+        start = [sys.executable, "-m", "hpctrain.launch", "--standalone", f"--nproc-per-node={nproc}",
+                 str(HERE / "overhead_session.py"), model]
+    else:
+        experiment = w.experiment + ("Step" if variant == "step" else "")
+        start = [sys.executable, "-m", "hpctrain", "train", f"overhead:{experiment}", "--nproc-per-node", str(nproc)]
+    cmd = [*start, f"run.dir={run_dir}", f"train.max_steps={w.warmup + w.measured}",
            f"train.global_batch_size={w.micro_batch * nproc}", f"train.micro_batch_size={w.micro_batch}",
            f"optim.lr={LR}", "optim.warmup_steps=0", "optim.weight_decay=0.01",
            "train.grad_clip=0", "train.precision=fp32", "data.num_workers=0", "data.augment=false",
            f"log.every_steps={w.warmup}", "log.tensorboard=false", "log.plots=false", "ckpt.every_minutes=0"]
-    _check(subprocess.run(cmd, capture_output=True, text=True, env=env(), cwd=tmp), cmd, "hpctrain")
+    _check(subprocess.run(cmd, capture_output=True, text=True, env=env(), cwd=tmp), cmd, variant)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     at = {r["step"]: r["time"] for r in records if r.get("split") == "train"}
     return (at[w.warmup + w.measured] - at[w.warmup]) / w.measured
@@ -167,7 +210,8 @@ def measure(model: str, variants: list[str], repeats: int, nproc: int) -> dict[s
         for i in range(repeats):
             order = variants[i % len(variants):] + variants[:i % len(variants)]  # rotate: no fixed position
             for v in order:
-                t = run_hpctrain(model, nproc, tmp, i) if v == "hpctrain" else run_peer(v, model, nproc, tmp)
+                ours = v in ("hpctrain", "session", "step")
+                t = run_hpctrain(model, nproc, tmp, i, v) if ours else run_peer(v, model, nproc, tmp)
                 times[v].append(t)
                 print(f"  run {i + 1}: {v} {1e3 * t:.3f} ms/step", file=sys.stderr)
     return times
@@ -179,13 +223,21 @@ def _spread(values: list[float], fmt: str) -> str:
 
 def print_rates(times: dict[str, list[float]], skipped: dict[str, str]) -> None:
     """mlp: steps/s, and the ratio of medians to the plain loop."""
-    print("| loop | steps/s | vs plain |")
-    print("|---|---:|---:|")
+    print("| loop | steps/s | vs plain | per-round ratio to its reference |")
+    print("|---|---:|---:|---:|")
     base = statistics.median(1 / t for t in times["plain"])
     for v, t in times.items():
         rates = [1 / x for x in t]
-        print(f"| {v} | {_spread(rates, '.2f')} | {statistics.median(rates) / base:.3f} |")
+        reference = REFERENCE.get(v)
+        paired = ""
+        if reference in times:  # each round's two runs ran back to back: the ratio of the pair, median and spread
+            paired = f"{_spread([b / a for a, b in zip(t, times[reference])], '.3f')} vs {reference}"
+        print(f"| {v} | {_spread(rates, '.2f')} | {statistics.median(rates) / base:.3f} | {paired} |")
     _print_skipped(skipped)
+
+
+REFERENCE = {"session": "plain", "step": "hpctrain"}
+"""The loop each level of bringing one's own training is held to (within 3%)."""
 
 
 def print_costs(times: dict[str, list[float]], skipped: dict[str, str]) -> None:

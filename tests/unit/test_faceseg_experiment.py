@@ -158,18 +158,18 @@ def test_initial_weights_load_only_on_a_fresh_start(tmp_path: Path, monkeypatch)
     monkeypatch.setattr(type(exp), "init_weights", lambda self, model: calls.append(model) or "loaded")
     runtime = SimpleNamespace(is_main=True, distributed=False)
     monkeypatch.setattr(run, "select_checkpoint", lambda *a, **k: (object(), []))  # a checkpoint to resume
-    run._init_weights(exp, "model", exp.cfg, runtime)
+    run.init_weights(exp, "model", exp.cfg, runtime)
     assert calls == []
     monkeypatch.setattr(run, "select_checkpoint", lambda *a, **k: (None, []))  # a fresh start
-    run._init_weights(exp, "model", exp.cfg, runtime)
+    run.init_weights(exp, "model", exp.cfg, runtime)
     assert calls == ["model"]
     # Only rank 0 reads the file (DDP's constructor broadcasts its weights).
-    run._init_weights(exp, "model", exp.cfg, SimpleNamespace(is_main=False, distributed=False))
+    run.init_weights(exp, "model", exp.cfg, SimpleNamespace(is_main=False, distributed=False))
     assert calls == ["model"]
     # Rank 0's error reaches the caller as a UserError every rank raises.
     monkeypatch.setattr(type(exp), "init_weights", lambda self, model: (_ for _ in ()).throw(UserError("no file", "put it")))
     with pytest.raises(UserError, match="no file") as err:
-        run._init_weights(exp, "model", exp.cfg, runtime)
+        run.init_weights(exp, "model", exp.cfg, runtime)
     assert err.value.hint == "put it" and getattr(err.value, "on_every_rank", False)
 
 

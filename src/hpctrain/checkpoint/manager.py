@@ -192,6 +192,8 @@ class Checkpointer:
         meta = {"experiment": self.experiment, "epoch": int(info["epoch"]), "world_size": self.runtime.world_size,
                 "strategy": self.strategy, "parts": sorted(["model", "optim"] + (["ema"] if dcp_state.has_ema(stateful) else []))}
         state_json = dict(info) | {"world_size": self.runtime.world_size, "strategy": self.strategy}
+        if "emas" in stateful:  # several models, some averaged: which ones the ema part holds (the shipped weights)
+            state_json["ema_models"] = sorted(stateful["emas"])
         return _Save(step, Path(tmp), small, rngs, state_json, meta)
 
     def _write_tensors(self, tmp: Path, tensors: dict[str, Any], group: Any = None) -> dict[str, Any]:
@@ -315,10 +317,19 @@ class Checkpointer:
         if part not in chosen.parts:
             raise on_every_rank(UserError(f"checkpoint '{chosen.path}' holds no EMA weights (the run had "
                                           "optim.ema_decay=0)", "export the training weights instead (no --ema)."))
-        template = {part: dcp_state.model_weights(model)}
-        self._dcp_load(chosen.path, template, no_dist=True)
-        _fit(lambda: dcp_state.set_model_weights(model, template[part]), chosen.path, self.config_text)
+        averaged = chosen.info.get("ema_models")
+        if part == "ema" and averaged is not None and isinstance(model, nn.ModuleDict):
+            # Several models, EMA copies of some: each model's averaged weights where it has them, else its own.
+            self._load_weights(chosen.path, "model", model)
+            self._load_weights(chosen.path, "ema", nn.ModuleDict({name: model[name] for name in averaged}))
+        else:
+            self._load_weights(chosen.path, part, model)
         return Resumed(chosen.path, chosen.info, int(chosen.info["world_size"]), parts=frozenset({part}))
+
+    def _load_weights(self, path: Path, part: str, model: nn.Module) -> None:
+        template = {part: dcp_state.model_weights(model)}
+        self._dcp_load(path, template, no_dist=True)
+        _fit(lambda: dcp_state.set_model_weights(model, template[part]), path, self.config_text)
 
     def _load(self, chosen: _Chosen, stateful: Mapping[str, Any]) -> Resumed:
         path, info = chosen.path, chosen.info
