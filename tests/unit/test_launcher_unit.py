@@ -82,7 +82,7 @@ def test_failure_message_keeps_a_user_errors_message_before_its_hint():
 
 def test_ddps_unused_parameter_error_says_what_to_set():
     from hpctrain.errors import UserError
-    from hpctrain.train.run import translate_error
+    from hpctrain.train.guard import translate_error
 
     err = translate_error(RuntimeError(
         "Expected to have finished reduction in the prior iteration before starting a new one. This error indicates "
@@ -96,7 +96,7 @@ def test_ddps_unused_parameter_error_says_what_to_set():
 
 
 def test_the_done_line_says_which_step_an_earlier_validation_was_at():
-    from hpctrain.train.run import done_val
+    from hpctrain.train.ending import done_val
 
     assert done_val({"loss": 0.5, "accuracy": 0.9, "iou/x": 1.0}, 14, 14) == "; val loss 0.5000, accuracy 0.9000"
     assert done_val({"loss": 0.5}, 14, 25) == "; val at step 14: loss 0.5000"  # train.stop_at_step=25

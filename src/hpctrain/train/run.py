@@ -5,12 +5,9 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import re
-import signal
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -23,27 +20,23 @@ from hpctrain.data.loader import build_loader
 from hpctrain.data.sampler import EvalBatchSampler, OrderFn, StepBatchSampler
 from hpctrain.data.shard_local import RankLayout, data_order_warning, shard_local_summary
 from hpctrain.dist.collectives import barrier, broadcast_object
-from hpctrain.dist.env import (
-    fault_injection_spec, requeue_id, session_settings, stdout_is_terminal, under_hpctrain_agent,
-)
+from hpctrain.dist.env import fault_injection_spec, stdout_is_terminal
 from hpctrain.dist.runtime import Runtime
 from hpctrain.dist.wrap import place_model, unwrap_model, wrap_model
-from hpctrain.errors import UserError, on_every_rank, raised_on_every_rank
+from hpctrain.errors import UserError, on_every_rank
 from hpctrain.experiments.base import Datasets, Experiment, owns_optimizer, owns_scheduler
 from hpctrain.fault.alerts import Alerter, resolve_webhook
-from hpctrain.fault.heartbeat import Heartbeat, Watchdog, format_stuck, slow_phase_limit
+from hpctrain.fault.heartbeat import Heartbeat
 from hpctrain.fault.inject import build_injector
-from hpctrain.fault.requeue import requeue_slurm_job
 from hpctrain.fault.run_lock import hold_run_dir
-from hpctrain.fault.signals import StopSignals, signal_name, stop_signal_names
+from hpctrain.fault.signals import StopSignals, stop_signal_names
 from hpctrain.fault.vote import StepVote
-from hpctrain.logs import recent_log_lines
-from hpctrain.metrics.plots import plot_training
-from hpctrain.metrics.records import read_metrics
 from hpctrain.metrics.sinks import build_metrics_logger
 from hpctrain.train import loop
 from hpctrain.train.context import FaultState, TrainContext
 from hpctrain.train.ema import build_ema
+from hpctrain.train.ending import Outcome, conclude
+from hpctrain.train.guard import failed, start_watchdog
 from hpctrain.train.optim import experiment_optimizer, experiment_scheduler
 from hpctrain.train.compile_cache import CompileCache, node_copy_removed
 from hpctrain.train.choices import LaunchChoices, choose_launch, with_instance_graphable
@@ -218,14 +211,6 @@ def _train_loader(cfg: RunConfig, runtime: Runtime, data: Datasets, sampler: Ste
                         transform, data.device_draws)
 
 
-@dataclass(frozen=True)
-class Outcome:
-    exit_code: int
-    """0 when the run reached its end (or train.stop_at_step); fault.exit_code after a preemption checkpoint."""
-    val: dict[str, float]
-    """The last validation metrics."""
-
-
 def run_training(cfg: RunConfig, runtime: Runtime, experiment_cls: type[Experiment], config_text: str) -> Outcome:
     """Train ``cfg`` (as the user wrote it: ``config_text`` is its TOML, saved as it is, so train.channels_last=auto
     is resolved again on each launch). The precision, step mode and memory format are chosen once (train/choices.py)
@@ -252,7 +237,7 @@ def _train_holding_run_dir(choices: LaunchChoices, runtime: Runtime, experiment:
     alerter = Alerter(resolve_webhook(cfg.alert), cfg.alert, cfg.run_name, cfg.run_dir, runtime.job_id, runtime.rank)
     # Installed before the (possibly long) restore: a preemption then still ends in a clean stop.
     ctx.fault.signals.install(stop_signal_names(cfg.fault.warning_signal))
-    watchdog = _start_watchdog(ctx, alerter)
+    watchdog = start_watchdog(cfg, runtime, ctx.fault, alerter, lambda: ctx.state.step)
     try:
         start_run(ctx, config_text, choices.memory_format.describe())
         result = loop.train(ctx)
@@ -302,27 +287,6 @@ def start_run(ctx: TrainContext, config_text: str, layout: str) -> Resumed | Non
     return resumed
 
 
-def conclude(ctx: TrainContext, result: loop.LoopResult, watchdog: Watchdog, alerter: Alerter,
-             started: float) -> Outcome:
-    """The end of a training that did not fail: stopped by a signal (requeue, exit code) or done (plots, alert)."""
-    runtime = ctx.runtime
-    if result.stop_signal:
-        watchdog.stop("stopped")
-        # torchrun SIGTERMs the other workers as soon as one exits; a rank still finishing its exit must not
-        # die of it (exit -15 instead of fault.exit_code).
-        ctx.fault.signals.ignore_from_now()
-        return _stopped(ctx, alerter, result)
-    watchdog.stop("done")
-    ctx.fault.signals.uninstall()
-    if runtime.is_main:
-        _finish(ctx, result.val, time.perf_counter() - started, result.val_step)
-        if ctx.state.step >= ctx.total_steps:
-            alerter.send("complete", last_step=ctx.state.step, exit_code=0,
-                         detail=", ".join(f"{k} {v:.4g}" for k, v in result.val.items() if "/" not in k))
-    barrier(runtime)
-    return Outcome(0, result.val)
-
-
 def _restore_streams(ctx: TrainContext, resumed: Resumed) -> None:
     """This rank's random streams as saved; on another world size they are re-seeded from (seed, rank, step)."""
     if resumed.rng is not None:
@@ -357,94 +321,6 @@ def _continue_from(ctx: TrainContext, resumed: Resumed) -> TrainState:
     return replace(state, data_order=ctx.cfg.data.order)
 
 
-def failed(raised: BaseException, fault: FaultState, watchdog: Watchdog, alerter: Alerter, step: int,
-           runtime: Runtime) -> BaseException:
-    """A run failing with ``raised``: its signal handlers off (the launcher's SIGTERM should now end this process at
-    once), the watchdog's last word, the alert; returns the error to raise (translate_error's)."""
-    err = translate_error(raised)
-    fault.signals.uninstall()
-    watchdog.stop("failed")
-    # Under hpctrain's torchrun wrapper the launcher reports the first failure once, for all ranks; without
-    # it (srun tasks) an error every rank raised together is rank 0's to report, not 512 posts.
-    if not under_hpctrain_agent() and not isinstance(err, KeyboardInterrupt) \
-            and (runtime.is_main or not raised_on_every_rank(err)):
-        alerter.send("failure", last_step=step, exit_code=1, detail=f"{type(err).__name__}: {err}",
-                     log_tail=recent_log_lines())
-    return err
-
-
-def _start_watchdog(ctx: TrainContext, alerter: Alerter) -> Watchdog:
-    return start_watchdog(ctx.cfg, ctx.runtime, ctx.fault, alerter, lambda: ctx.state.step)
-
-
-def start_watchdog(cfg: RunConfig, runtime: Runtime, fault: FaultState, alerter: Alerter,
-                   step: Callable[[], int]) -> Watchdog:
-    """This rank's watchdog over ``fault.heartbeat``, started; ``step()``: the run's step, for a hang's alert."""
-    f = cfg.fault
-
-    def on_hang(stale: list[dict]) -> None:
-        alerter.send("hang", last_step=step(), detail="no progress:\n" + format_stuck(stale),
-                     log_tail=recent_log_lines())
-
-    watchdog = Watchdog(fault.heartbeat, Path(cfg.run_dir) / "heartbeat", f.heartbeat_every_s,
-                        f.hang_timeout_s, runtime.is_main, on_hang,
-                        slow_timeout_s=slow_phase_limit(f.slow_phase_timeout_s, cfg.dist.timeout_s, f.heartbeat_every_s),
-                        # a save's waits are on the control plane: the peers fail only after dist.control_timeout_s
-                        control_slow_timeout_s=slow_phase_limit(f.slow_phase_timeout_s, cfg.dist.control_timeout_s,
-                                                                f.heartbeat_every_s))
-    watchdog.beat()  # the file exists from the start (tests and operators find the pid there)
-    watchdog.start()
-    return watchdog
-
-
-UNUSED_PARAMETERS = "Expected to have finished reduction in the prior iteration"
-
-
-def translate_error(err: BaseException) -> BaseException:
-    """Errors of torch's that have a known cause in the config, as a message with what to set. DDP's unused-parameter
-    error is met first on a cluster (one process trains without DDP) and ends in advice about
-    TORCH_DISTRIBUTED_DEBUG rather than the setting that fixes it."""
-    text = str(err)
-    if isinstance(err, RuntimeError) and UNUSED_PARAMETERS in text:
-        ranks = re.search(r"Parameter indices which did not receive grad for rank (\d+): ([\d ]+)", text)
-        which = f" (rank {ranks.group(1)}: parameter indices {ranks.group(2).strip()})" if ranks else ""
-        return UserError(
-            f"DDP: some trainable parameters got no gradient in this step{which}, so the gradient all-reduce "
-            "cannot finish", "set dist.find_unused_parameters=true (DDP then looks for them every step, a little "
-            "slower), or freeze the parameters the loss does not use (requires_grad=False).")
-    return err
-
-
-INTERRUPTED = 130
-"""The exit code of a run stopped by Ctrl-C (128 + SIGINT), with or without its checkpoint."""
-
-
-def _stopped(ctx: TrainContext, alerter: Alerter, result: loop.LoopResult) -> Outcome:
-    """A stop signal: the checkpoint is saved on every rank; say so, requeue, exit with fault.exit_code. Ctrl-C
-    (SIGINT) is the user's, not the cluster's: no requeue and no alert, exit code 130."""
-    rt, f = ctx.runtime, ctx.cfg.fault
-    if result.stop_signal == signal.SIGINT:
-        if rt.is_main:
-            log.warning("interrupted (Ctrl-C) at step %d with a checkpoint; the same command resumes from it",
-                        ctx.state.step)
-        barrier(rt)
-        return Outcome(INTERRUPTED, result.val)
-    if rt.is_main:
-        got = ctx.fault.signals.received_at
-        after = f", {time.monotonic() - got:.1f} s after the signal reached rank 0" if got else ""
-        log.warning(
-            "stopped by %s at step %d with a checkpoint%s; exit code %d means: resume me (same run dir)",
-            signal_name(result.stop_signal), ctx.state.step, after, f.exit_code,
-        )
-        alerter.send("requeue", last_step=ctx.state.step, exit_code=f.exit_code,
-                     detail=f"stopped by {signal_name(result.stop_signal)}", log_tail=recent_log_lines())
-    barrier(rt)  # every rank is past its save before the job can be requeued (which kills it)
-    # A script hpctrain launched (its settings file set) is requeued by the job's launcher, on its exit code.
-    if rt.is_main and f.requeue and rt.job_id and not session_settings():
-        requeue_slurm_job(requeue_id())  # a sweep's array task: its own ARRAY_TASK id, never the array's
-    return Outcome(f.exit_code, result.val)
-
-
 def _announce(ctx: TrainContext, resumed, layout: str) -> None:
     if not ctx.runtime.is_main:
         return
@@ -471,21 +347,3 @@ def _announce(ctx: TrainContext, resumed, layout: str) -> None:
         log.info("the run is already complete at step %d; raise train.max_steps or train.epochs to go on", ctx.state.step)
     elif ctx.state.step >= ctx.end_step:
         log.info("nothing to do: at step %d, train.stop_at_step=%d", ctx.state.step, ctx.cfg.train.stop_at_step)
-
-
-def _finish(ctx: TrainContext, final: dict[str, float], seconds: float, val_step: int = 0) -> None:
-    run_dir = Path(ctx.cfg.run_dir)
-    if ctx.cfg.log.plots and (run_dir / "metrics.jsonl").exists():
-        path = plot_training(read_metrics(run_dir / "metrics.jsonl"), run_dir / "plots" / "training.png", ctx.cfg.run_name)
-        log.info("plot: %s", path)
-    log.info("done: step %d in %.1f s%s; run dir %s", ctx.state.step, seconds, done_val(final, val_step, ctx.state.step),
-             run_dir)
-
-
-def done_val(final: dict[str, float], val_step: int, step: int) -> str:
-    """'; val loss 0.0076, accuracy 1.0000' for a validation at the last step; with its step when it was earlier
-    (train.stop_at_step between two validations): '; val at step 14: ...'."""
-    shown = ", ".join(f"{k} {v:.4f}" for k, v in final.items() if "/" not in k)  # details: in the table above
-    if not shown:
-        return ""
-    return f"; val {shown}" if val_step in (0, step) else f"; val at step {val_step}: {shown}"

@@ -24,28 +24,30 @@ from hpctrain.config.batch import batch_sizes
 from hpctrain.config.schema import RunConfig
 from hpctrain.data.loader import build_loader
 from hpctrain.data.sampler import EvalBatchSampler, StepBatchSampler
-from hpctrain.dist.collectives import barrier, broadcast_buffers
+from hpctrain.dist.collectives import barrier
 from hpctrain.dist.env import fault_injection_spec
 from hpctrain.dist.runtime import Runtime
 from hpctrain.dist.wrap import broadcast_module, place_model, unwrap_model, wrap_model
-from hpctrain.experiments.base import Datasets, Experiment, default_fsdp_blocks, sums_over_count
+from hpctrain.experiments.base import Datasets, Experiment, default_fsdp_blocks
 from hpctrain.fault.alerts import Alerter, resolve_webhook
 from hpctrain.fault.heartbeat import Heartbeat
 from hpctrain.fault.inject import build_injector
 from hpctrain.fault.signals import StopSignals, stop_signal_names
 from hpctrain.fault.vote import StepVote
+from hpctrain.userloop.evaluation import evaluate_over
 from hpctrain.userloop.data import OwnLoader, OwnOrder, is_map_style, own_data_warning, stateful
 from hpctrain.userloop.objects import NamedObjects, Wrapped, misuse
 from hpctrain.userloop.step import Step
 from hpctrain.train import loop
 from hpctrain.train.context import FaultState, TrainContext
 from hpctrain.train.ema import build_ema
-from hpctrain.train.evaluate import evaluate as evaluate_sums
 from hpctrain.train.optim import base_lr, rebuilt_for_zero
 from hpctrain.train.precision import resolve_precision
 from hpctrain.train.resume_record import ResumeRecorder
 from hpctrain.train.rng import seed_everything, seed_rank_streams
-from hpctrain.train.run import check_strategy, conclude, failed, fsdp_param_dtype, start_run, start_watchdog, train_order
+from hpctrain.train.ending import conclude
+from hpctrain.train.guard import failed, start_watchdog
+from hpctrain.train.run import check_strategy, fsdp_param_dtype, start_run, train_order
 from hpctrain.train.rundir import prepare_run_dir
 from hpctrain.train.skips import SkipLedger
 from hpctrain.train.state import TrainState
@@ -102,7 +104,8 @@ class TrainingSession:
         self.recorder = ResumeRecorder.from_environment(runtime.rank)
         self._steps: Steps | None = None
         self._open = False
-        self._eval_loaders: dict[int, Any] = {}
+        self.eval_loaders: dict[int, Any] = {}
+        """run.evaluate's loader of each validation set (by id), made at its first call."""
         self._owners: dict[str, set[str]] = {}
         seed_everything(cfg.run.seed)  # the same initial weights on every rank, as an Experiment's run has
 
@@ -365,25 +368,7 @@ class TrainingSession:
         rank runs the same number of batches (short ranks run a padding batch whose sums are dropped), so wrapped
         models may be called. The record goes into metrics.jsonl at this step."""
         self._usable("evaluate")
-        if not is_map_style(data):
-            raise misuse(f"run.evaluate over a {type(data).__name__}", "give a map-style data set (len and [i]): "
-                         "hpctrain deals its batches out so that the sums are exact on any number of ranks.")
-        loader = self._eval_loaders.get(id(data))
-        if loader is None:
-            size = batch_size or self.cfg.eval.micro_batch_size or 2 * self.cfg.train.micro_batch_size
-            sampler = EvalBatchSampler(len(data), size, self.runtime.rank, self.runtime.world_size,
-                                       pad=self.runtime.distributed)
-            loader = self._eval_loaders[id(data)] = build_loader(data, sampler, self.cfg.data, self.runtime,
-                                                                 collate_fn=collate_fn)
-        models = self.objects.container()
-        broadcast_buffers(models, self.runtime)  # rank 0's batch-norm statistics on every rank, as in validation
-        step = self.ctx.state.step if self.ctx is not None else 0
-        result = evaluate_sums(_Sums(stats, metrics), models, loader, self.runtime, self.precision,
-                               self.cfg.train.channels_last_on, on_batch=lambda: self.fault.heartbeat.mark("eval"),
-                               seed=self.cfg.run.seed, step=step)
-        if self.ctx is not None:
-            self.ctx.metrics.log({"step": step, "split": "val", "epoch": self.ctx.state.epoch, **result})
-        return result
+        return evaluate_over(self, stats, data, metrics, batch_size, collate_fn)
 
     # -- facts ---------------------------------------------------------------------------------------------------
 
@@ -432,24 +417,3 @@ class Steps:
 
     def __len__(self) -> int:
         return self.total
-
-
-class _Sums:
-    """run.evaluate's functions as the experiment train/evaluate.py validates with."""
-
-    def __init__(self, stats: Callable[..., dict[str, Any]], metrics: Callable | None) -> None:
-        import inspect
-
-        self.stats = stats
-        self.metrics_fn = metrics
-        params = [p for p in inspect.signature(stats).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        self.takes_info = len(params) >= 2
-
-    def eval_stats(self, model, batch, info):
-        return self.stats(batch, info) if self.takes_info else self.stats(batch)
-
-    def metrics(self, totals: dict[str, Any]) -> dict[str, float]:
-        if self.metrics_fn is not None:
-            return self.metrics_fn(totals)
-        return sums_over_count(totals)

@@ -10,7 +10,7 @@ parameters of no registered model (built before run.wrap under fsdp), a schedule
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import nn
