@@ -70,6 +70,14 @@ def test_auto_on_a_gpu_graphs_one_process_and_leaves_multi_gpu_capture_opt_in():
     assert choose_step_mode(_cfg("train.step_mode=graphed"), _runtime("cuda:0", world=2), BF16).mode == "graphed"
 
 
+def test_an_optimizer_of_the_experiments_own_runs_eagerly_on_a_gpu_and_graphed_is_refused():
+    """Issue 40, section 1: a captured step needs hpctrain's fused AdamW or SGD (tensor rates, the device skip)."""
+    own = choose_step_mode(_cfg(), _runtime("cuda:0"), BF16, own_optimizer=True)
+    assert own.mode == "eager" and "builds its own optimizer (build_optimizer)" in own.reason
+    with pytest.raises(UserError, match="train.step_mode=graphed: the experiment builds its own optimizer"):
+        choose_step_mode(_cfg("train.step_mode=graphed"), _runtime("cuda:0"), BF16, own_optimizer=True)
+
+
 def test_cudnn_benchmark_is_on_for_a_graphed_step_on_a_gpu_and_said_in_the_start_up_line():
     graphed = choose_step_mode(_cfg(), _runtime("cuda:0"), BF16)
     assert graphed.cudnn_benchmark and graphed.describe() == "graphed (auto: one process on CUDA), cudnn.benchmark on"

@@ -221,6 +221,9 @@ class TrainingSession:
 
     def _context(self, data: Any, collate_fn: Callable | None, transform: Callable | None, val: Any) -> TrainContext:
         cfg, runtime = self.cfg, self.runtime
+        if cfg.data.on_device:
+            raise misuse("data.on_device=true in a loop of your own or a StepExperiment",
+                         "set data.on_device=false: run.steps takes its micro-batches from hpctrain's loader.")
         plan = batch_sizes(cfg.train.global_batch_size, cfg.train.micro_batch_size, runtime.world_size)
         seed_rank_streams(cfg.run.seed, runtime.rank)  # after the models' initial weights, as an Experiment's run
         if is_map_style(data):
@@ -279,7 +282,14 @@ class TrainingSession:
                 window.lrs = {name: base_lr(o) for name, o in self.objects.optimizers.items()}
                 step = Step(self, batches, ctx.state.step, epoch)
                 ctx.fault.heartbeat.mark("step", ctx.state.step)
-                yield step
+                try:
+                    yield step
+                except GeneratorExit:  # the user's loop left with break (or return): no boundary, no save
+                    if self.runtime.is_main:
+                        log.warning("the loop over run.steps ended at step %d of %d before its end: nothing is saved "
+                                    "after the last checkpoint (end a run with train.max_steps or "
+                                    "train.stop_at_step instead, which save)", ctx.state.step, ctx.end_step)
+                    raise
                 step.close()
                 window.named_steps += 1
                 ctx.state.advance(ctx.batches.global_batch_size, ctx.sampler.steps_per_epoch)

@@ -34,9 +34,6 @@ log = logging.getLogger("hpctrain")
 def run_step_experiment(cfg: RunConfig, runtime: Runtime, experiment_cls: type[StepExperiment],
                         config_text: str) -> int:
     """Train ``cfg`` with the experiment's own step; returns the exit code (0, fault.exit_code, or 130)."""
-    if cfg.data.on_device:
-        raise misuse("data.on_device=true with a StepExperiment",
-                     "set data.on_device=false: the experiment's step takes its micro-batches from the loader.")
     experiment = experiment_cls(cfg)
     with hold_run_dir(Path(cfg.run_dir), runtime) as lock, \
             node_copy_removed(Path(cfg.run_dir), runtime.device, runtime.local_rank, cfg.train.compiled):
