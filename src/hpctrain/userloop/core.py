@@ -293,7 +293,8 @@ class TrainingSession:
                 step.close()
                 window.named_steps += 1
                 ctx.state.advance(ctx.batches.global_batch_size, ctx.sampler.steps_per_epoch)
-                self.recorder.record(ctx.state.step, ctx.stateful())
+                if self.recorder:  # hpctrain check resume: the state after this step
+                    self.recorder.record(ctx.state.step, ctx.stateful())
                 val, stop_signal = loop.after_step(ctx, window, epoch_ended=ctx.state.epoch != epoch)
                 if val:
                     last_val, val_step = val, ctx.state.step
