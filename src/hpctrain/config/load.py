@@ -207,6 +207,28 @@ def config_to_toml(cfg: RunConfig) -> str:
     return tomli_w.dumps(config_to_dict(cfg))
 
 
+def given_keys(experiment: str, config_file: str | Path | None = None,
+               overrides: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The dotted keys that a --config file and key=value overrides set, file first, each once: what the user gave,
+    as load_config reads it (an unreadable file or a malformed override is the same UserError)."""
+    keys = list(_read_toml(Path(config_file), experiment)) if config_file is not None else []
+    keys += [_split_override(item)[0] for item in overrides]
+    return list(dict.fromkeys(keys))
+
+
+def settings_toml(cfg: RunConfig, keys: list[str] | tuple[str, ...]) -> str:
+    """The settings a user gave, as TOML: the top-level experiment, then each of ``keys`` with its resolved value
+    from ``cfg`` (typed and validated), and run.dir always, absolute. What a script job's processes read
+    (HPCTRAIN_SETTINGS): only these, so that code reading it puts its own defaults below them, not hpctrain's."""
+    resolved = config_to_dict(cfg)
+    out: dict[str, Any] = {"experiment": cfg.experiment}
+    for key in (*keys, "run.dir"):
+        section, _, name = key.partition(".")
+        out.setdefault(section, {})[name] = resolved[section][name]
+    out["run"]["dir"] = str(Path(cfg.run_dir).resolve())
+    return tomli_w.dumps(out)
+
+
 def flat_differences(old_text: str, new_text: str) -> list[tuple[str, Any, Any]]:
     """(dotted key, old value, new value) for every key whose value differs between two resolved configs (TOML
     text; a key missing on one side shows as None there). Unreadable text gives no differences."""
