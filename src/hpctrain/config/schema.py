@@ -258,7 +258,8 @@ class FaultSection:
     """Signal that asks for a checkpoint and a requeue, besides SIGTERM (Slurm: --signal=B:USR2@SECONDS).
     Not SIGUSR1 by default: NCCL has used it."""
     requeue: bool = True
-    """After a preemption checkpoint inside a Slurm job, rank 0 runs 'scontrol requeue $SLURM_JOB_ID'."""
+    """After a preemption checkpoint inside a Slurm job, rank 0 runs 'scontrol requeue $SLURM_JOB_ID'. A script job
+    (--script) is requeued by its batch shell instead, when every rank exited with a requeue code; false: never."""
     exit_code: int = 75
     """Exit code of a run stopped by a signal after its checkpoint (75, EX_TEMPFAIL: 'try again'). A script job
     (--script) is requeued when every one of its processes exits with it (or with one of fault.requeue_exit_codes);

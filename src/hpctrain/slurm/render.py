@@ -7,6 +7,8 @@ passed on to every task, and a requeued job that keeps its first log and its own
 
 Two launchers (slurm.launcher): ``torchrun`` (default), one task per node running ``hpctrain.launch``; ``srun``,
 one task per process running ``python -m hpctrain.slurm.task``. render_script says what each does on a failure.
+A script job (:class:`ScriptSpec`: the user's own torchrun script) runs torchrun per node over the script instead of
+hpctrain, and its batch shell requeues the job when every rank asked for it (_script_end).
 
 Every user value is quoted: for the shell with :func:`shlex.quote`, and on ``#SBATCH`` lines in sbatch's own
 double-quote syntax. Values cannot hold newlines (the config rejects control characters), so nothing can end a
@@ -39,6 +41,25 @@ class ArraySpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ScriptSpec:
+    """A script job's program (--script, --module): each node's torchrun runs it instead of hpctrain."""
+
+    program: tuple[str, ...]
+    """What follows torchrun's arguments: (PATH,) or ("-m", MODULE), relative paths from the job's workdir."""
+    args: tuple[str, ...] = ()
+    """The script's arguments (after --), passed verbatim. A sweep's array: point_args instead."""
+    point_args: tuple[tuple[str, ...], ...] = ()
+    """A sweep's array: each point's arguments, in array-index order."""
+    settings_toml: str = ""
+    """The settings the user gave, written to RUN_DIR/settings.toml (HPCTRAIN_SETTINGS) by the job. A sweep's
+    array: '' (copied from SWEEP_DIR/settings/POINT.toml)."""
+    requeue_codes: tuple[int, ...] = (75,)
+    """Exit codes with which the script asks to be requeued (fault.exit_code first, then fault.requeue_exit_codes)."""
+    requeue: bool = True
+    """fault.requeue: the batch shell requeues the job when every node's ranks asked for it."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class JobSpec:
     """Everything the script depends on; built by :func:`hpctrain.slurm.job.job_spec`."""
 
@@ -64,6 +85,11 @@ class JobSpec:
     """hpctrain version, for the header."""
     array: ArraySpec | None = None
     """A sweep's job array: the run dir and config come from the task's point. None: one run."""
+    script: ScriptSpec | None = None
+    """A script job's program; None: the experiment, trained by hpctrain."""
+    nproc_per_node: int = 0
+    """torchrun's --nproc-per-node when the command line gave one (--nproc-per-node); 0: slurm.gpus_per_node. The
+    lint requires the two to agree (one process per GPU)."""
 
 
 def sbatch_quote(value: str) -> str:
@@ -143,18 +169,22 @@ def render_script(spec: JobSpec) -> str:
         _preamble(spec),
         _environment(spec),
         _network(spec),
-        _config(spec),
+        _config(spec) if spec.script is None else _script_config(spec),
+        _script_signals(spec),
         _launch(spec),
     ]
     return "\n".join(p for p in parts if p) + "\n"
 
 
 def _header(spec: JobSpec) -> str:
-    again = ("hpctrain sweep submit EXPERIMENT --grid KEY=V1,V2 ... --dry-run" if spec.array
-             else "hpctrain slurm render EXPERIMENT --config FILE [key=value ...]")
+    what = "--script PATH" if spec.script else "EXPERIMENT"  # (a script's path may be any text: not in a comment)
+    tail = " -- SCRIPT ARGS" if spec.script else ""
+    again = (f"hpctrain sweep submit {what} --grid KEY=V1,V2 ... --dry-run{tail}" if spec.array
+             else f"hpctrain slurm render {what} --config FILE [key=value ...]{tail}")
+    kind = "a script job" if spec.script else f"experiment {spec.experiment!r}"
     return (
         "#!/bin/bash\n"
-        f"# Written by hpctrain {spec.version} for experiment {spec.experiment!r}.\n"
+        f"# Written by hpctrain {spec.version} for {kind}.\n"
         "# Change the [slurm] config and render again rather than editing this file:\n"
         f"#   {again}"
     )
@@ -300,10 +330,11 @@ def _config(spec: JobSpec) -> str:
 def launcher_args(spec: JobSpec, rdzv_id: str = '"$SLURM_JOB_ID"') -> list[str]:
     """torchrun arguments (shell words; the $VARIABLES are expanded by the batch shell)."""
     s = spec.slurm
+    nproc = spec.nproc_per_node or s.gpus_per_node
     if s.nodes == 1:
-        return ["--standalone", "--nnodes=1", f"--nproc-per-node={s.gpus_per_node}"]
+        return ["--standalone", "--nnodes=1", f"--nproc-per-node={nproc}"]
     return [
-        '--nnodes="$SLURM_JOB_NUM_NODES"', f"--nproc-per-node={s.gpus_per_node}",
+        '--nnodes="$SLURM_JOB_NUM_NODES"', f"--nproc-per-node={nproc}",
         "--rdzv-backend=c10d", '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"', f"--rdzv-id={rdzv_id}",
         "--max-restarts=0",
     ]
@@ -318,7 +349,8 @@ def _step_prefix(spec: JobSpec, rdzv_id: str = '"$SLURM_JOB_ID"') -> list[str]:
     cmd += gpu_binding(s) + _container_prefix(spec)
     if s.launcher == "srun":
         return cmd + [q(python), "-u", "-m", "hpctrain.slurm.task"]
-    return cmd + [q(python), "-u", "-m", "hpctrain.launch"] + launcher_args(spec, rdzv_id) + ["-m", "hpctrain"]
+    cmd += [q(python), "-u", "-m", "hpctrain.launch"] + launcher_args(spec, rdzv_id)
+    return cmd + ([q(p) for p in spec.script.program] if spec.script else ["-m", "hpctrain"])
 
 
 def _preflight(spec: JobSpec) -> list[str]:
@@ -351,17 +383,22 @@ def _container_prefix(spec: JobSpec) -> list[str]:
 
 
 def _launch(spec: JobSpec) -> str:
-    cmd = _step_prefix(spec) + ["train", q(spec.experiment), '--config "$CONFIG"']
     s = spec.slurm
-    if s.launcher == "srun":
+    if spec.script is not None:
+        cmd = _step_prefix(spec) + _script_arguments(spec)
+        title = "# --- launch: one torchrun per node over the script ---"
+    elif s.launcher == "srun":
+        cmd = _step_prefix(spec) + ["train", q(spec.experiment), '--config "$CONFIG"']
         bound = (", each bound to one GPU" if gpu_binding(s) else ", each seeing all of the node's GPUs") if s.gpus else ""
         tasks = f"{s.gpus_per_node} tasks" if s.gpus_per_node > 1 else "1 task"
         title = f"# --- launch: {tasks} per node, one per process{bound} (srun, no torchrun) ---"
     else:
+        cmd = _step_prefix(spec) + ["train", q(spec.experiment), '--config "$CONFIG"']
         title = "# --- launch: one torchrun per node ---"
     lines = _preflight(spec) + [
         "",
         title,
+        *_point_arguments(spec),
         "LAUNCH=(" + " ".join(cmd) + ")",
         'printf "%q " "${LAUNCH[@]}" > "$RUN_DIR/slurm/launch_$SLURM_JOB_ID.sh"',
         'echo "hpctrain: launching: $(cat "$RUN_DIR/slurm/launch_$SLURM_JOB_ID.sh")"',
@@ -398,7 +435,114 @@ def _launch(spec: JobSpec) -> str:
         "# bash keeps the status of an ended child, so the last wait gives srun's own exit code",
         'while kill -0 "$SRUN_PID" 2> /dev/null; do wait "$SRUN_PID" || true; done',
         'rc=0; wait "$SRUN_PID" || rc=$?',
+    ]
+    lines += _script_end(spec) if spec.script is not None else [
         'echo "hpctrain: job step ended with exit code $rc at $(date -Is)"',
         'exit "$rc"',
     ]
     return "\n".join(lines)
+
+
+# ---- a script job (--script, --module) ------------------------------------------------------------------------
+
+SETTINGS_DELIMITER = "HPCTRAIN_SETTINGS_EOF"
+
+
+def _script_config(spec: JobSpec) -> str:
+    """The resolved config (RUN_DIR/config.toml too: status and report read it) and the settings the user gave
+    (RUN_DIR/settings.toml, HPCTRAIN_SETTINGS for every rank), fixed at render time or, in an array, by the sweep."""
+    replace = ['mv -f "$CONFIG.tmp" "$CONFIG"', 'cp "$CONFIG" "$RUN_DIR/config.toml.tmp"',
+               'mv -f "$RUN_DIR/config.toml.tmp" "$RUN_DIR/config.toml"']
+    if spec.array is not None:
+        lines = ["", "# --- the point's resolved config and settings, written by 'hpctrain sweep submit' ---",
+                 'CONFIG="$RUN_DIR/slurm/config_$SLURM_JOB_ID.toml"', 'cp "$SWEEP_DIR/configs/$POINT.toml" "$CONFIG.tmp"',
+                 *replace, 'cp "$SWEEP_DIR/settings/$POINT.toml" "$RUN_DIR/settings.toml.tmp"']
+    else:
+        lines = ["", "# --- the resolved config and the settings you gave, fixed at render time (a requeued job runs the "
+                 "same) ---", 'CONFIG="$RUN_DIR/slurm/config_$SLURM_JOB_ID.toml"',
+                 f"cat > \"$CONFIG.tmp\" <<'{CONFIG_DELIMITER}'", spec.config_toml.rstrip("\n"), CONFIG_DELIMITER,
+                 *replace, f"cat > \"$RUN_DIR/settings.toml.tmp\" <<'{SETTINGS_DELIMITER}'",
+                 spec.script.settings_toml.rstrip("\n"), SETTINGS_DELIMITER]
+    return "\n".join(lines + [
+        'mv -f "$RUN_DIR/settings.toml.tmp" "$RUN_DIR/settings.toml"',
+        "# every rank finds the settings there (hpctrain.session() reads them)",
+        'export HPCTRAIN_SETTINGS="$RUN_DIR/settings.toml"',
+    ])
+
+
+def _script_signals(spec: JobSpec) -> str:
+    """Who signals the script's ranks, and where each node records how they ended ('' for an experiment)."""
+    if spec.script is None:
+        return ""
+    job = '"${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"' if spec.array is not None else '"$SLURM_JOB_ID"'
+    return "\n".join([
+        "",
+        "# --- signals: Slurm signals every process of the job step itself with ProctrackType cgroup or linuxproc",
+        "# (pgid: only each task's process group), the script's ranks included; the node launchers then pass none on,",
+        "# or each rank would get every signal twice ---",
+        "case \"$(scontrol show config 2> /dev/null | sed -n 's/^ProctrackType *= *//p')\" in",
+        "  proctrack/cgroup|proctrack/linuxproc) export HPCTRAIN_FORWARD_SIGNALS=0 ;;",
+        "  *) export HPCTRAIN_FORWARD_SIGNALS=1 ;;",
+        "esac",
+        "# what 'scontrol requeue' takes (a sweep's point: its own array task, never the whole array)",
+        f"REQUEUE_ID={job}",
+        "# each node's launcher records how its ranks ended here, one file per node (hpctrain/slurm/exits.py)",
+        'export HPCTRAIN_EXITS_DIR="$RUN_DIR/slurm/exits/$REQUEUE_ID.${SLURM_RESTART_COUNT:-0}"',
+        'mkdir -p "$HPCTRAIN_EXITS_DIR"',
+        'rm -f "$HPCTRAIN_EXITS_DIR"/node*',
+    ])
+
+
+def _script_arguments(spec: JobSpec) -> list[str]:
+    """The script's arguments as shell words: its own, or in an array the point's (SCRIPT_ARGS, _point_arguments);
+    the ${X[@]+...} form because bash before 4.4 calls an empty array unbound under set -u."""
+    if spec.array is not None:
+        return ['${SCRIPT_ARGS[@]+"${SCRIPT_ARGS[@]}"}']
+    return [q(a) for a in spec.script.args]
+
+
+def _point_arguments(spec: JobSpec) -> list[str]:
+    """In a script job's array, SCRIPT_ARGS: the task's point's arguments ([] otherwise)."""
+    if spec.script is None or spec.array is None:
+        return []
+    lines = ["# this task's point: the script's arguments", "SCRIPT_ARGS=()", 'case "$SLURM_ARRAY_TASK_ID" in']
+    lines += [f"  {i}) SCRIPT_ARGS=({' '.join(q(a) for a in args)}) ;;" for i, args in enumerate(spec.script.point_args)]
+    return lines + ["esac"]
+
+
+def _script_end(spec: JobSpec) -> list[str]:
+    """After the step: the job requeued when every node's ranks all exited with a requeue code (and srun ended
+    cleanly: a launcher that recorded a requeue stop exits 0); any other exit is the job's failure, never requeued."""
+    codes = " ".join(str(c) for c in spec.script.requeue_codes)
+    first = spec.script.requeue_codes[0]
+    lines = [
+        "# How the script's ranks ended, from each node's record: requeue when every node asked for it (all its",
+        "# ranks exited with a requeue code), mixed when only some did; any other exit is a failure, never requeued",
+        f'REQUEUE_CODES="{codes}"',
+        "script_ended() {",
+        "  local f code asked=0",
+        '  for f in "$HPCTRAIN_EXITS_DIR"/node*.json; do',
+        '    [ -e "$f" ] || continue',
+        "    code=$(sed -n 's/^{\"exit_code\": \\(-\\{0,1\\}[0-9]*\\).*/\\1/p' \"$f\")",
+        '    case " $REQUEUE_CODES " in *" $code "*) asked=$((asked + 1)) ;; esac',
+        "  done",
+        '  if [ "$asked" -gt 0 ] && [ "$asked" -eq "$SLURM_JOB_NUM_NODES" ]; then echo requeue',
+        '  elif [ "$asked" -gt 0 ]; then echo mixed; fi',
+        "}",
+        "ended=$(script_ended)",
+        f'if [ "$rc" -eq 0 ] && [ "$ended" = requeue ]; then rc={first}; fi',
+        'if [ "$rc" -eq 0 ] && [ "$ended" = mixed ]; then',
+        '  echo "hpctrain: the ranks of some nodes asked for a requeue, the others did not: a failure"',
+        "  rc=1",
+        "fi",
+        'echo "hpctrain: job step ended with exit code $rc at $(date -Is)"',
+    ]
+    if spec.script.requeue:
+        lines += [
+            f'if [ "$ended" = requeue ] && [ "$rc" -eq {first} ]; then',
+            '  echo "hpctrain: every rank of the script exited with a requeue code: requeueing job $REQUEUE_ID"',
+            '  scontrol requeue "$REQUEUE_ID" || echo "hpctrain: \'scontrol requeue $REQUEUE_ID\' failed; submit the same '
+            'run dir again to go on"',
+            "fi",
+        ]
+    return lines + ['exit "$rc"']
