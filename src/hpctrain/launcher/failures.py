@@ -63,13 +63,13 @@ def error_line(message: str) -> str:
     return (lines[0] if ERROR_LINE.match(lines[0]) else errors[-1] if errors else lines[0])[:500]
 
 
-def last_error_line(text: str) -> str:
+def last_error_line(text: str, or_last: bool = True) -> str:
     """The last line of a worker's stderr that reads as an error (a traceback's exception line, 'hpctrain: error:
-    ...'), else its last line: what a script that writes no error file said last ('' for nothing)."""
+    ...'), else (``or_last``) its last line: what a script that writes no error file said last ('' for nothing)."""
     lines = [RANK_PREFIX.sub("", line).strip() for line in text.splitlines()]
     lines = [line for line in lines if line]
     errors = [line for line in lines if ERROR_LINE.match(line) or line.startswith("hpctrain: error: ")]
-    return (errors or lines or [""])[-1][:500]
+    return (errors or (lines if or_last else []) or [""])[-1][:500]
 
 
 RANK_PREFIX = re.compile(r"^\[rank\d+\]:")
@@ -114,8 +114,12 @@ def first_failure(err: ChildFailedError, stderr_of: StderrOf = no_stderr):
 
 
 def said(failure, stderr_of: StderrOf = no_stderr) -> str:
-    """What a failed worker said: its error file's line, else (a script) its last error line on stderr."""
-    return failure_message(failure) or last_error_line(stderr_tail(failure, stderr_of))
+    """What a failed worker said: its error file's line, else (a script) its last error line on stderr; for one
+    killed by a signal only an exception it raised before (a script whose uncaught error ends in an abort at exit),
+    not its last line of output, nor torchrun's 'Signal N received'."""
+    by_signal = failure.exitcode < 0
+    return ("" if by_signal else failure_message(failure)) or \
+        last_error_line(stderr_tail(failure, stderr_of), or_last=not by_signal)
 
 
 def report(err: ChildFailedError, cfg=None, codes: frozenset[int] = frozenset(), stderr_of: StderrOf | None = None) -> int:
@@ -182,13 +186,14 @@ def _report_first(err: ChildFailedError, cfg, stderr_of: StderrOf = no_stderr) -
     error = said(first, stderr_of)
     print(
         f"hpctrain: worker rank {rank} (local rank {first.local_rank}, pid {first.pid}, {socket.gethostname()}) "
-        f"failed first, {describe_exit(first.exitcode)}" + (f": {error}" if error and first.exitcode > 0 else "")
+        f"failed first, {describe_exit(first.exitcode)}" + (f": {error}" if error else "")
         + (f"; after it: {others}" if others else "")
         + "; its messages are above.",
         file=sys.stderr,
     )
     if cfg is not None:
-        _alert_failure(cfg, rank, exit_code(first.exitcode), describe_exit(first.exitcode), error)
+        _alert_failure(cfg, rank, exit_code(first.exitcode), describe_exit(first.exitcode),
+                       error or failure_message(first))
     return exit_code(first.exitcode)
 
 
@@ -205,7 +210,7 @@ def outcome_record(err: ChildFailedError | None, code: int, codes: frozenset[int
         return {**record, "outcome": "interrupted"}
     rank, first = first_failure(err, stderr_of)
     return {**record, "outcome": "failed", "rank": rank, "local_rank": first.local_rank, "pid": first.pid,
-            "how": describe_exit(first.exitcode), "error": said(first, stderr_of) if first.exitcode > 0 else "",
+            "how": describe_exit(first.exitcode), "error": said(first, stderr_of),
             "consequence": is_consequence(first, stderr_tail(first, stderr_of)), "time": float(first.timestamp or time.time()),
             "others": ", ".join(f"rank {r} {describe_exit(f.exitcode)}" for r, f in sorted(err.failures.items())
                                 if r != rank)}
