@@ -151,6 +151,22 @@ def test_a_script_sweeps_points_keep_their_arguments_and_settings(folder, capsys
     assert f"  3) SCRIPT_ARGS=(--out {sweep}/p003_lr=0.2_seed=2/own --lr 0.2) ;;" in text
 
 
+def test_a_script_sweeps_point_run_here_is_hpctrain_train_with_its_settings(folder):
+    from hpctrain.sweep.local import point_command
+    from hpctrain.sweep.spec import build_sweep, write_sweep
+
+    plan, configs = build_sweep("script:-m pkg.train", None, ("slurm.nodes=2",), ["lr=0.1,0.2", "run.seed=5"],
+                                str(folder / "s"), script_args=("--epochs", "2"))
+    write_sweep(plan, configs)
+    point = plan.points[1]
+    assert tomllib.loads(plan.settings_path(point).read_text()) == {  # what was given, the point's own run dir
+        "experiment": "script:-m pkg.train", "slurm": {"nodes": 2}, "run": {"seed": 5, "dir": str(plan.run_dir(point))}}
+    command = point_command(plan, point, 2)
+    assert command[command.index("train"):] == [
+        "train", "--module", "pkg.train", "--config", str(folder / "s" / "settings" / "p001_lr=0.2_seed=5.toml"),
+        "--nproc-per-node", "2", "--", "--epochs", "2", "--lr", "0.2"]
+
+
 def test_a_points_metric_from_its_records_or_its_log():
     records = [{"step": 5, "split": "train", "loss": 2.0}, {"step": 9, "split": "stop"},
                {"step": 10, "split": "train", "loss": 1.0}]

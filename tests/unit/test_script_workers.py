@@ -21,8 +21,24 @@ from hpctrain.launcher.signals import forwarding, restore_handlers
 CODES = frozenset({75, 76})
 
 
+STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_children():
+    """A child a failing test left running is killed (the tests start small Pythons as workers)."""
+    yield
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def python(code: str, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", code], **kw)
+    proc = subprocess.Popen([sys.executable, "-c", code], **kw)
+    STARTED.append(proc)
+    return proc
 
 
 def settle(held: list[HeldProcess], timeout: float = 20) -> list[int | None]:
@@ -53,8 +69,7 @@ def test_a_siblings_failure_or_a_plain_exit_is_not_held():
     running = HeldProcess(python("import time; time.sleep(30)"), done)
     finished._popen.wait()
     assert finished.poll() == 0  # exit 0 is torchrun's business, held or not
-    running.kill()
-    running._popen.wait()
+    assert running.poll() is None
 
 
 def test_the_hold_ends_after_its_grace():
@@ -67,8 +82,6 @@ def test_the_hold_ends_after_its_grace():
         assert time.monotonic() - started < 10
         time.sleep(0.05)
     assert stopped.poll() == 76 and hung.poll() is None
-    hung.kill()
-    assert hung.wait(10) == -signal.SIGKILL
 
 
 def test_across_nodes_each_waits_for_every_nodes_marker_and_the_first_node_lingers(tmp_path, monkeypatch):
@@ -115,16 +128,14 @@ def test_the_nodes_record_names_the_first_failure_with_the_scripts_own_error_lin
 
 
 def test_where_slurm_signals_every_process_the_launcher_passes_nothing_on():
+    child = python("import time; time.sleep(30)")
     previous = forwarding(forward=False)
     try:
-        child = python("import time; time.sleep(30)")
         os.kill(os.getpid(), signal.SIGUSR2)  # received, not fatal, not passed on
         time.sleep(0.1)
         assert child.poll() is None
     finally:
         restore_handlers(previous)
-        child.kill()
-        child.wait()
 
 
 def test_the_batch_shells_word_to_each_node_launcher():
