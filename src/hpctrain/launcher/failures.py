@@ -131,7 +131,7 @@ def report(err: ChildFailedError, cfg=None, codes: frozenset[int] = frozenset(),
              if f.exitcode == -signal.SIGKILL and f.pid in signals._StopGrace.killed]
     if stuck:
         return _report_stuck(err, stuck, cfg)
-    stderr_of = stderr_of or no_stderr
+    script, stderr_of = stderr_of is not None, stderr_of or no_stderr
     # After Ctrl-C, a rank that was waiting in a collective can fail on its peer's exit ("Connection closed by peer")
     # before its own KeyboardInterrupt is raised: still the interrupt, not a failure.
     interrupted = {INTERRUPTED, -signal.SIGINT, -signal.SIGKILL, -signal.SIGTERM}
@@ -151,8 +151,7 @@ def report(err: ChildFailedError, cfg=None, codes: frozenset[int] = frozenset(),
     ended = {f.exitcode for f in failures}
     if cfg is not None and ended <= codes:
         code = next(iter(ended)) if len(ended) == 1 else cfg.fault.exit_code
-        if stderr_of is no_stderr:  # Not a failure: every worker saved and asked to be resumed (rank 0 sent the
-            # alert, requeued).
+        if not script:  # Not a failure: every worker saved and asked to be resumed (rank 0 sent the alert, requeued).
             print(f"hpctrain: all {len(err.failures)} workers stopped after a checkpoint; exit code "
                   f"{cfg.fault.exit_code} means: resume me", file=sys.stderr)
         else:

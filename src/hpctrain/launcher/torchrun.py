@@ -32,7 +32,7 @@ from torch.distributed.run import parse_args as parse_torchrun_args
 from hpctrain.config.schema import FaultSection, RunConfig
 from hpctrain.dist.env import ScriptStep, agent_environment
 from hpctrain.launcher.arguments import oversubscription, torchrun_args, with_defaults
-from hpctrain.launcher.failures import CleanStopLines, outcome_record, report
+from hpctrain.launcher.failures import CleanStopLines, no_stderr, outcome_record, report
 from hpctrain.launcher.fork_safety import LauncherThreads, fork_refusal, quiet_launcher
 from hpctrain.launcher.forked_workers import forked_workers
 from hpctrain.launcher.script_workers import ScriptWorkers, script_workers
@@ -84,7 +84,8 @@ def main(argv: Sequence[str] | None = None, cfg: RunConfig | None = None, thread
         with agent_environment(os.path.join(error_dir, "error.json")), started as workers, node_monitors():
             torchrun(argv)
     except ChildFailedError as err:
-        stderr_of = workers.stderr_of if isinstance(workers, ScriptWorkers) else None
+        # a script's workers: their stderr tails (none where torch's handler factory could not be replaced)
+        stderr_of = (workers.stderr_of if isinstance(workers, ScriptWorkers) else no_stderr) if script else None
         code = report(err, cfg if cfg is not None else _read(read_config), codes, stderr_of)
         return _ended(script, code, err, stderr_of)
     except Exception as exc:  # torchrun itself failed (a rendezvous error): the node's record says so, then it shows
@@ -106,7 +107,7 @@ def _ended(script: ScriptLaunch | None, code: int, err: ChildFailedError | None,
         return code
     try:
         write_record(script.step.exits_dir, script.step.node_id,
-                     outcome_record(err, code, script.codes, stderr_of or (lambda _pid: "")))
+                     outcome_record(err, code, script.codes, stderr_of or no_stderr))
     except OSError as exc:  # the run dir unwritable: the batch shell then finds no record and does not requeue
         print(f"hpctrain: could not record how this node's ranks ended in {script.step.exits_dir}: {exc}",
               file=sys.stderr)
