@@ -8,11 +8,11 @@ passed on to every task, and a requeued job that keeps its first log and its own
 Two launchers (slurm.launcher): ``torchrun`` (default), one task per node running ``hpctrain.launch``; ``srun``,
 one task per process running ``python -m hpctrain.slurm.task``. render_script says what each does on a failure.
 A script job (:class:`ScriptSpec`: the user's own torchrun script) runs torchrun per node over the script instead of
-hpctrain, and its batch shell requeues the job when every rank asked for it (_script_end).
+hpctrain, and its batch shell requeues the job when every rank asked for it (slurm/script_job.py).
 
 Every user value is quoted: for the shell with :func:`shlex.quote`, and on ``#SBATCH`` lines in sbatch's own
-double-quote syntax. Values cannot hold newlines (the config rejects control characters), so nothing can end a
-line early.
+double-quote syntax. Config values cannot hold newlines (the config rejects control characters), so nothing can end
+a line early; a script's arguments may, and stay single-quoted words (a quoted newline ends no command).
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 from hpctrain.config.schema import SlurmSection
 from hpctrain.dist.env import PORT_BASE, PORT_SPAN
+from hpctrain.slurm.script_job import (CONFIG_DELIMITER, ScriptSpec, point_arguments, script_arguments, script_config,
+                                       script_end, script_signals)
 
-CONFIG_DELIMITER = "HPCTRAIN_CONFIG_EOF"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,25 +39,6 @@ class ArraySpec:
     """At most this many tasks at once (sbatch --array=...%K); 0: as many as the cluster runs."""
     indices: tuple[int, ...] = ()
     """The points this array runs (a sweep submitted again: the unfinished ones); empty: all of them."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class ScriptSpec:
-    """A script job's program (--script, --module): each node's torchrun runs it instead of hpctrain."""
-
-    program: tuple[str, ...]
-    """What follows torchrun's arguments: (PATH,) or ("-m", MODULE), relative paths from the job's workdir."""
-    args: tuple[str, ...] = ()
-    """The script's arguments (after --), passed verbatim. A sweep's array: point_args instead."""
-    point_args: tuple[tuple[str, ...], ...] = ()
-    """A sweep's array: each point's arguments, in array-index order."""
-    settings_toml: str = ""
-    """The settings the user gave, written to RUN_DIR/settings.toml (HPCTRAIN_SETTINGS) by the job. A sweep's
-    array: '' (copied from SWEEP_DIR/settings/POINT.toml)."""
-    requeue_codes: tuple[int, ...] = (75,)
-    """Exit codes with which the script asks to be requeued (fault.exit_code first, then fault.requeue_exit_codes)."""
-    requeue: bool = True
-    """fault.requeue: the batch shell requeues the job when every node's ranks asked for it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,8 +151,8 @@ def render_script(spec: JobSpec) -> str:
         _preamble(spec),
         _environment(spec),
         _network(spec),
-        _config(spec) if spec.script is None else _script_config(spec),
-        _script_signals(spec),
+        _config(spec) if spec.script is None else script_config(spec),
+        script_signals(spec),
         _launch(spec),
     ]
     return "\n".join(p for p in parts if p) + "\n"
@@ -385,7 +367,7 @@ def _container_prefix(spec: JobSpec) -> list[str]:
 def _launch(spec: JobSpec) -> str:
     s = spec.slurm
     if spec.script is not None:
-        cmd = _step_prefix(spec) + _script_arguments(spec)
+        cmd = _step_prefix(spec) + script_arguments(spec)
         title = "# --- launch: one torchrun per node over the script ---"
     elif s.launcher == "srun":
         cmd = _step_prefix(spec) + ["train", q(spec.experiment), '--config "$CONFIG"']
@@ -398,7 +380,7 @@ def _launch(spec: JobSpec) -> str:
     lines = _preflight(spec) + [
         "",
         title,
-        *_point_arguments(spec),
+        *point_arguments(spec),
         "LAUNCH=(" + " ".join(cmd) + ")",
         'printf "%q " "${LAUNCH[@]}" > "$RUN_DIR/slurm/launch_$SLURM_JOB_ID.sh"',
         'echo "hpctrain: launching: $(cat "$RUN_DIR/slurm/launch_$SLURM_JOB_ID.sh")"',
@@ -436,113 +418,8 @@ def _launch(spec: JobSpec) -> str:
         'while kill -0 "$SRUN_PID" 2> /dev/null; do wait "$SRUN_PID" || true; done',
         'rc=0; wait "$SRUN_PID" || rc=$?',
     ]
-    lines += _script_end(spec) if spec.script is not None else [
+    lines += script_end(spec) if spec.script is not None else [
         'echo "hpctrain: job step ended with exit code $rc at $(date -Is)"',
         'exit "$rc"',
     ]
     return "\n".join(lines)
-
-
-# ---- a script job (--script, --module) ------------------------------------------------------------------------
-
-SETTINGS_DELIMITER = "HPCTRAIN_SETTINGS_EOF"
-
-
-def _script_config(spec: JobSpec) -> str:
-    """The resolved config (RUN_DIR/config.toml too: status and report read it) and the settings the user gave
-    (RUN_DIR/settings.toml, HPCTRAIN_SETTINGS for every rank), fixed at render time or, in an array, by the sweep."""
-    replace = ['mv -f "$CONFIG.tmp" "$CONFIG"', 'cp "$CONFIG" "$RUN_DIR/config.toml.tmp"',
-               'mv -f "$RUN_DIR/config.toml.tmp" "$RUN_DIR/config.toml"']
-    if spec.array is not None:
-        lines = ["", "# --- the point's resolved config and settings, written by 'hpctrain sweep submit' ---",
-                 'CONFIG="$RUN_DIR/slurm/config_$SLURM_JOB_ID.toml"', 'cp "$SWEEP_DIR/configs/$POINT.toml" "$CONFIG.tmp"',
-                 *replace, 'cp "$SWEEP_DIR/settings/$POINT.toml" "$RUN_DIR/settings.toml.tmp"']
-    else:
-        lines = ["", "# --- the resolved config and the settings you gave, fixed at render time (a requeued job runs the "
-                 "same) ---", 'CONFIG="$RUN_DIR/slurm/config_$SLURM_JOB_ID.toml"',
-                 f"cat > \"$CONFIG.tmp\" <<'{CONFIG_DELIMITER}'", spec.config_toml.rstrip("\n"), CONFIG_DELIMITER,
-                 *replace, f"cat > \"$RUN_DIR/settings.toml.tmp\" <<'{SETTINGS_DELIMITER}'",
-                 spec.script.settings_toml.rstrip("\n"), SETTINGS_DELIMITER]
-    return "\n".join(lines + [
-        'mv -f "$RUN_DIR/settings.toml.tmp" "$RUN_DIR/settings.toml"',
-        "# every rank finds the settings there (hpctrain.session() reads them)",
-        'export HPCTRAIN_SETTINGS="$RUN_DIR/settings.toml"',
-    ])
-
-
-def _script_signals(spec: JobSpec) -> str:
-    """Who signals the script's ranks, and where each node records how they ended ('' for an experiment)."""
-    if spec.script is None:
-        return ""
-    job = '"${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"' if spec.array is not None else '"$SLURM_JOB_ID"'
-    return "\n".join([
-        "",
-        "# --- signals: Slurm signals every process of the job step itself with ProctrackType cgroup or linuxproc",
-        "# (pgid: only each task's process group), the script's ranks included; the node launchers then pass none on,",
-        "# or each rank would get every signal twice ---",
-        "case \"$(scontrol show config 2> /dev/null | sed -n 's/^ProctrackType *= *//p')\" in",
-        "  proctrack/cgroup|proctrack/linuxproc) export HPCTRAIN_FORWARD_SIGNALS=0 ;;",
-        "  *) export HPCTRAIN_FORWARD_SIGNALS=1 ;;",
-        "esac",
-        "# what 'scontrol requeue' takes (a sweep's point: its own array task, never the whole array)",
-        f"REQUEUE_ID={job}",
-        "# each node's launcher records how its ranks ended here, one file per node (hpctrain/slurm/exits.py)",
-        'export HPCTRAIN_EXITS_DIR="$RUN_DIR/slurm/exits/$REQUEUE_ID.${SLURM_RESTART_COUNT:-0}"',
-        'mkdir -p "$HPCTRAIN_EXITS_DIR"',
-        'rm -f "$HPCTRAIN_EXITS_DIR"/node*',
-    ])
-
-
-def _script_arguments(spec: JobSpec) -> list[str]:
-    """The script's arguments as shell words: its own, or in an array the point's (SCRIPT_ARGS, _point_arguments);
-    the ${X[@]+...} form because bash before 4.4 calls an empty array unbound under set -u."""
-    if spec.array is not None:
-        return ['${SCRIPT_ARGS[@]+"${SCRIPT_ARGS[@]}"}']
-    return [q(a) for a in spec.script.args]
-
-
-def _point_arguments(spec: JobSpec) -> list[str]:
-    """In a script job's array, SCRIPT_ARGS: the task's point's arguments ([] otherwise)."""
-    if spec.script is None or spec.array is None:
-        return []
-    lines = ["# this task's point: the script's arguments", "SCRIPT_ARGS=()", 'case "$SLURM_ARRAY_TASK_ID" in']
-    lines += [f"  {i}) SCRIPT_ARGS=({' '.join(q(a) for a in args)}) ;;" for i, args in enumerate(spec.script.point_args)]
-    return lines + ["esac"]
-
-
-def _script_end(spec: JobSpec) -> list[str]:
-    """After the step: the job requeued when every node's ranks all exited with a requeue code (and srun ended
-    cleanly: a launcher that recorded a requeue stop exits 0); any other exit is the job's failure, never requeued."""
-    codes = " ".join(str(c) for c in spec.script.requeue_codes)
-    first = spec.script.requeue_codes[0]
-    lines = [
-        "# How the script's ranks ended, from each node's record: requeue when every node asked for it (all its",
-        "# ranks exited with a requeue code), mixed when only some did; any other exit is a failure, never requeued",
-        f'REQUEUE_CODES="{codes}"',
-        "script_ended() {",
-        "  local f code asked=0",
-        '  for f in "$HPCTRAIN_EXITS_DIR"/node*.json; do',
-        '    [ -e "$f" ] || continue',
-        "    code=$(sed -n 's/^{\"exit_code\": \\(-\\{0,1\\}[0-9]*\\).*/\\1/p' \"$f\")",
-        '    case " $REQUEUE_CODES " in *" $code "*) asked=$((asked + 1)) ;; esac',
-        "  done",
-        '  if [ "$asked" -gt 0 ] && [ "$asked" -eq "$SLURM_JOB_NUM_NODES" ]; then echo requeue',
-        '  elif [ "$asked" -gt 0 ]; then echo mixed; fi',
-        "}",
-        "ended=$(script_ended)",
-        f'if [ "$rc" -eq 0 ] && [ "$ended" = requeue ]; then rc={first}; fi',
-        'if [ "$rc" -eq 0 ] && [ "$ended" = mixed ]; then',
-        '  echo "hpctrain: the ranks of some nodes asked for a requeue, the others did not: a failure"',
-        "  rc=1",
-        "fi",
-        'echo "hpctrain: job step ended with exit code $rc at $(date -Is)"',
-    ]
-    if spec.script.requeue:
-        lines += [
-            f'if [ "$ended" = requeue ] && [ "$rc" -eq {first} ]; then',
-            '  echo "hpctrain: every rank of the script exited with a requeue code: requeueing job $REQUEUE_ID"',
-            '  scontrol requeue "$REQUEUE_ID" || echo "hpctrain: \'scontrol requeue $REQUEUE_ID\' failed; submit the same '
-            'run dir again to go on"',
-            "fi",
-        ]
-    return lines + ['exit "$rc"']
