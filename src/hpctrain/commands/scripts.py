@@ -114,18 +114,18 @@ def script_request(args: argparse.Namespace) -> ScriptRequest | None:
 def require_script_file(target: ScriptTarget, workdir: Path | None = None) -> None:
     """A UserError when the script cannot be run from here (missing, a folder, unreadable): before a local launch,
     where nothing should start for a typo."""
+    from hpctrain.slurm.facts import file_problem
+
     if target.module:
         return
     path = (workdir or Path.cwd()) / target.path
-    if not path.exists():
+    problem = file_problem(path)
+    if problem == "missing":
         raise UserError(f"script {path} does not exist", "check the path given to --script (relative to this folder).")
-    if path.is_dir():
+    if problem == "directory":
         raise UserError(f"{path} is a directory, not a script", "name the .py file that torchrun should run.")
-    try:
-        with open(path, "rb") as f:
-            f.read(1)
-    except OSError as err:
-        raise UserError(f"script {path} cannot be read: {err.strerror or err}", "check its permissions.") from None
+    if problem:
+        raise UserError(f"script {path} cannot be read: {problem}", "check its permissions.")
 
 
 def write_run_files(cfg: RunConfig, settings: str) -> Path:

@@ -154,19 +154,22 @@ def _script_facts(cfg: RunConfig, workdir: Path) -> dict:
         found = here.with_suffix(".py").is_file() or (here / "__init__.py").is_file() or _importable(top)
         return {"script_problem": "" if found else "missing"}
     path = workdir / target.path  # an absolute path stays as it is
-    problem = ""
-    if not path.exists():
-        problem = "missing"
-    elif path.is_dir():
-        problem = "directory"
-    else:
-        try:
-            with open(path, "rb") as f:
-                f.read(1)
-        except OSError as err:
-            problem = err.strerror or str(err)
-    return {"script_file": str(path), "script_problem": problem,
+    return {"script_file": str(path), "script_problem": file_problem(path),
             "script_fs": filesystem_type(path.parent) if path.parent.exists() else ""}
+
+
+def file_problem(path: Path) -> str:
+    """Why a script cannot be run from ``path``: 'missing', 'directory', or the error of reading it ('' for none)."""
+    if not path.exists():
+        return "missing"
+    if path.is_dir():
+        return "directory"
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as err:
+        return err.strerror or str(err)
+    return ""
 
 
 def _importable(module: str) -> bool:
