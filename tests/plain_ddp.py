@@ -5,6 +5,10 @@ torchrun's variables -> init_process_group; a DistributedSampler; DDP; its own t
 every epoch (and, with --handle-signal, at the step where SIGUSR2 or SIGTERM came: every rank agrees on that step,
 rank 0 saves, all exit 75). It records what the tests check in --out: each rank's host, world size, arguments and
 HPCTRAIN_SETTINGS (ranks/), each signal a rank received (signals/), its progress, the final weights.
+
+It ends with os._exit after flushing, as a script on gloo must to be sure of its exit code: a torch thread still
+alive while the interpreter finalizes aborts the process (SIGABRT, "terminate called without an active
+exception", pytorch/pytorch#38228), which made a finished run and a 75 into failures here.
 """
 
 import argparse
@@ -70,6 +74,12 @@ if checkpoint.exists():
     print(f"rank {rank}: resumed from {checkpoint} at epoch {epoch}, batch {skip}", flush=True)
 
 
+def finish(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def save(epoch: int, batch: int) -> None:
     if rank == 0:
         state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
@@ -91,7 +101,7 @@ while epoch < args.epochs:
         if flag.item():
             save(epoch, batch)
             print(f"rank {rank}: stopped by a signal at epoch {epoch}, batch {batch}; saved", flush=True)
-            sys.exit(75)
+            finish(75)
         step += 1
         if rank == args.fail_rank and step == 3:
             raise RuntimeError(f"boom on rank {rank}")
@@ -116,3 +126,4 @@ while epoch < args.epochs:
 if rank == 0:
     torch.save(model.module.state_dict(), out / "final.pt")
 dist.destroy_process_group()
+finish(0)

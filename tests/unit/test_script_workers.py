@@ -124,6 +124,12 @@ def test_the_nodes_record_names_the_first_failure_with_the_scripts_own_error_lin
     assert record["outcome"] == "failed" and (record["rank"], record["local_rank"]) == (1, 1)
     assert record["error"] == "ValueError: bad batch" and record["others"] == "rank 0 killed by SIGTERM"
     assert outcome_record(err, 75, CODES)["outcome"] == "requeue"
+    finished = SimpleNamespace(failures={0: SimpleNamespace(pid=12, local_rank=0, exitcode=-signal.SIGABRT,
+                                                             timestamp=5, message="")})
+    record = outcome_record(finished, 134, CODES, lambda pid: "epoch 3 loss=0.2\nterminate called without an active "
+                                                              "exception\n")
+    assert record["error"].startswith("terminate called without an active exception (a torch thread alive while "
+                                      "the interpreter ended, pytorch/pytorch#38228")
     assert outcome_record(None, 0, CODES)["outcome"] == "completed"
 
 

@@ -117,9 +117,16 @@ def said(failure, stderr_of: StderrOf = no_stderr) -> str:
     """What a failed worker said: its error file's line, else (a script) its last error line on stderr; for one
     killed by a signal only an exception it raised before (a script whose uncaught error ends in an abort at exit),
     not its last line of output, nor torchrun's 'Signal N received'."""
-    by_signal = failure.exitcode < 0
-    return ("" if by_signal else failure_message(failure)) or \
-        last_error_line(stderr_tail(failure, stderr_of), or_last=not by_signal)
+    by_signal, tail = failure.exitcode < 0, stderr_tail(failure, stderr_of)
+    line = ("" if by_signal else failure_message(failure)) or last_error_line(tail, or_last=not by_signal)
+    if not line and failure.exitcode == -signal.SIGABRT and ABORT_AT_EXIT in tail:
+        return f"{ABORT_AT_EXIT} ({ABORT_AT_EXIT_CAUSE})"
+    return line
+
+
+ABORT_AT_EXIT = "terminate called without an active exception"
+ABORT_AT_EXIT_CAUSE = ("a torch thread alive while the interpreter ended, pytorch/pytorch#38228: end the script with "
+                       "os._exit(code) after flushing; docs/scripts.md")
 
 
 def report(err: ChildFailedError, cfg=None, codes: frozenset[int] = frozenset(), stderr_of: StderrOf | None = None) -> int:
