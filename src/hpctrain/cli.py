@@ -38,13 +38,8 @@ def _rank_prefix() -> str:
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    # key=value items may stand before or after options (commands.arguments.parse_with_overrides); everything after
-    # the first `--` is a user script's own arguments, never read by hpctrain.
-    argv = list(sys.argv[1:] if argv is None else argv)
-    cut = argv.index("--") if "--" in argv else len(argv)
-    args = parse_with_overrides(build_parser(), argv[:cut])
-    args.script_args = argv[cut + 1:]
-    return args
+    # key=value items may stand before or after options (commands.arguments.parse_with_overrides).
+    return parse_with_overrides(build_parser(), argv)
 
 
 def entry_point() -> NoReturn:

@@ -15,7 +15,8 @@ from typing import Sequence
 
 from hpctrain.checkpoint.policy import select_checkpoint
 from hpctrain.config.load import load_config
-from hpctrain.config.schema import RunConfig
+from hpctrain.config.schema import NoModelOptions, RunConfig
+from hpctrain.config.target import ScriptTarget, is_script
 from hpctrain.errors import UserError
 from hpctrain.experiments import Experiment, resolve_experiment
 
@@ -35,6 +36,32 @@ def resolve_config(experiment: str, config_file: str | None = None,
     cfg = load_config(experiment, cls.config_class, experiment_defaults=cls.defaults, config_file=config_file,
                       overrides=tuple(overrides))
     return cls, cfg
+
+
+def resolve_script(experiment: str, config_file: str | None = None, overrides: Sequence[str] = ()) -> RunConfig:
+    """A script job's config (experiment 'script:PATH' or 'script:-m MODULE'): hpctrain's defaults, then
+    ``config_file``, then ``overrides``; no experiment class, an empty [model] section. The settings that cannot
+    work for a script (its target malformed, slurm.launcher=srun) are refused here."""
+    target = ScriptTarget.parse(experiment)
+    if target is None:
+        raise ValueError(f"not a script job's experiment: {experiment!r}")
+    if target.problem():
+        raise UserError(f"cannot run the script: {target.problem()}",
+                        "give --script PATH (a file) or --module MODULE (as for python -m).")
+    cfg = load_config(experiment, NoModelOptions, config_file=config_file, overrides=tuple(overrides))
+    if cfg.slurm.launcher == "srun":
+        raise UserError("slurm.launcher=srun does not run a script: a script job runs torchrun on every node, which "
+                        "sets the variables a torchrun script reads (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...)",
+                        "leave slurm.launcher at torchrun for --script and --module jobs.")
+    return cfg
+
+
+def resolve_settings(experiment: str, config_file: str | None = None, overrides: Sequence[str] = ()) -> RunConfig:
+    """The config of an experiment (resolve_config's) or of a script job (resolve_script's), for what needs the
+    settings alone: the job script, its lint, a sweep's points."""
+    if is_script(experiment):
+        return resolve_script(experiment, config_file, overrides)
+    return resolve_config(experiment, config_file, overrides)[1]
 
 
 def run_config_path(run_dir: Path) -> Path:

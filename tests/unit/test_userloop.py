@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from hpctrain.config.load import config_to_toml, explicit_settings, load_config
+from hpctrain.config.load import config_to_toml, given_keys, load_config, settings_toml
 from hpctrain.config.schema import NoModelOptions, RunConfig
 from hpctrain.dist.runtime import single_process_runtime
 from hpctrain.errors import UserError
@@ -145,10 +145,9 @@ def test_a_short_loop_trains_saves_and_its_records_hold_named_values(tmp_path: P
 
 def test_the_session_settings_rank_the_command_line_above_the_scripts_own(tmp_path: Path, monkeypatch):
     settings = tmp_path / "settings.toml"
-    import tomli_w
-
-    settings.write_text(tomli_w.dumps(explicit_settings("script:train.py", None,
-                                                        ["train.max_steps=7", "run.dir=/tmp/x y"])))
+    given = ["train.max_steps=7", "run.dir=/tmp/x y"]
+    settings.write_text(settings_toml(load_config("script:train.py", NoModelOptions, overrides=given),
+                                      given_keys("script:train.py", None, given)))
     monkeypatch.setenv("HPCTRAIN_SETTINGS", str(settings))
     cfg = resolve_session_config({"train.max_steps": 3, "train.epochs": 5}, overrides=["train.epochs=6"])
     assert (cfg.train.max_steps, cfg.train.epochs, cfg.run.dir, cfg.experiment) == (7, 6, "/tmp/x y",
@@ -156,7 +155,7 @@ def test_the_session_settings_rank_the_command_line_above_the_scripts_own(tmp_pa
     monkeypatch.delenv("HPCTRAIN_SETTINGS")
     cfg = resolve_session_config({"train.max_steps": 3}, name="mine.py")
     assert cfg.train.max_steps == 3 and cfg.run_dir == "runs/mine"
-    settings.write_text(tomli_w.dumps(explicit_settings("script:train.py", None, ["train.max_step=7"])))
+    settings.write_text('experiment = "script:train.py"\n[train]\nmax_step = 7\n')
     with pytest.raises(UserError, match="unknown config key 'train.max_step'.*Did you mean 'train.max_steps'"):
         load_config("script:train.py", NoModelOptions, launch_settings=settings)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hpctrain.checkpoint import storage
+from hpctrain.config.target import same_training
 from hpctrain.checkpoint.storage import Checked
 from hpctrain.errors import UserError
 
@@ -39,7 +40,7 @@ def select_checkpoint(
             raise UserError(f"checkpoint '{resume}' is not usable: {chosen.problem}", "give another checkpoint directory.")
     if chosen is not None:
         saved_for = chosen.manifest.get("experiment") if chosen.manifest else None
-        if saved_for != experiment:
+        if saved_for is None or not same_training(saved_for, experiment):
             raise UserError(
                 f"checkpoint '{chosen.path}' was written by experiment '{saved_for}', not '{experiment}'",
                 f"use another run.dir for '{experiment}' (run.dir=...), or train '{saved_for}' to continue that run.",

@@ -49,7 +49,7 @@ def add_parser(sub) -> None:
                    "differ)")
     p.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS", help="limit per launch (default 600)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
-    p.set_defaults(run=run, command_name="check")
+    p.set_defaults(run=run, command_name="check", script_args=None)
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,8 @@ def plan_of(args: argparse.Namespace) -> Plan:
     script = args.target.endswith(".py")
     if script and not Path(args.target).is_file():
         raise UserError(f"script '{args.target}' does not exist", "give the path of your training script.")
-    if args.script_args and not script:
+    script_args = args.script_args or []
+    if script_args and not script:
         raise UserError("arguments after -- are a script's, and the target is an experiment",
                         "set an experiment's settings as key=value, or give a .py script.")
     if args.steps < 3:
@@ -82,7 +83,7 @@ def plan_of(args: argparse.Namespace) -> Plan:
     for flag, value in (("--nproc-per-node", args.nproc_per_node), ("--resume-nproc", args.resume_nproc)):
         if value < 0 or (flag == "--nproc-per-node" and value == 0):
             raise UserError(f"{flag} {value}: give a positive number of processes")
-    return Plan(args.target, script, tuple(args.overrides), args.config_file, tuple(args.script_args), args.steps,
+    return Plan(args.target, script, tuple(args.overrides), args.config_file, tuple(script_args), args.steps,
                 stop_after, args.nproc_per_node, args.resume_nproc or args.nproc_per_node)
 
 
@@ -118,16 +119,10 @@ def _launch(plan: Plan, folder: Path, nproc: int, timeout: float, expect: int, w
               "ckpt.every_steps=0", "ckpt.every_minutes=0", "ckpt.async_save=false", "fault.requeue=false",
               f"fault.exit_code={STOP_CODE}"]
     full_env = {**os.environ, "HPCTRAIN_RESUME_RECORD": str(records.resolve()), **(env or {})}
-    if plan.script:
-        settings = folder / "settings.toml"
-        settings.parent.mkdir(parents=True, exist_ok=True)
-        _write_settings(settings, plan, forced)
-        full_env["HPCTRAIN_SETTINGS"] = str(settings.resolve())
-        cmd = [sys.executable, "-m", "hpctrain.launch", "--standalone", f"--nproc-per-node={nproc}", plan.target,
-               *plan.script_args]
-    else:
-        cmd = [sys.executable, "-m", "hpctrain", "train", plan.target, f"--nproc-per-node={nproc}",
-               *(["--config", plan.config_file] if plan.config_file else []), *plan.overrides, *forced]
+    target = ["--script", plan.target] if plan.script else [plan.target]
+    cmd = [sys.executable, "-m", "hpctrain", "train", *target, f"--nproc-per-node={nproc}",
+           *(["--config", plan.config_file] if plan.config_file else []), *plan.overrides, *forced,
+           *(["--", *plan.script_args] if plan.script else [])]
     log_path = folder / f"launch_{len(list(folder.glob('launch_*.log')))}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as out:
@@ -143,18 +138,6 @@ def _launch(plan: Plan, folder: Path, nproc: int, timeout: float, expect: int, w
                 "make the training run on its own first (its log above); a script's loop must run under "
                 "hpctrain.session() and take its steps from run.steps.")
         raise UserError(f"{what} exited with {done.returncode}, not {expect} (log: {log_path}):\n{tail}", hint)
-
-
-def _write_settings(path: Path, plan: Plan, forced: list[str]) -> None:
-    import tomli_w
-
-    from hpctrain.config.load import explicit_settings, load_config
-    from hpctrain.config.schema import SCRIPT_PREFIX, NoModelOptions
-
-    experiment = f"{SCRIPT_PREFIX}{Path(plan.target).name}"
-    tree = explicit_settings(experiment, plan.config_file, [*plan.overrides, *forced])
-    path.write_text(tomli_w.dumps(tree), encoding="utf-8")
-    load_config(experiment, NoModelOptions, launch_settings=path)  # a typo is refused now, not in every rank
 
 
 def _stop_step(run_dir: Path) -> int:

@@ -6,18 +6,20 @@ logs ask Slurm about a run dir's or a job id's job."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
 import time
 from pathlib import Path
 
-from hpctrain.commands.arguments import add_run_args
+from hpctrain.commands.arguments import add_run_args, add_script_args, check_nproc
+from hpctrain.commands.scripts import script_request, with_processes, write_run_files
 from hpctrain.config.load import config_to_toml, flat_differences
 from hpctrain.config.schema import RunConfig
 from hpctrain.errors import UserError
 from hpctrain.fault import submit_guard
 from hpctrain.metrics.trackers.build import offline_sync_command
-from hpctrain.slurm import facts, job, lint, render
+from hpctrain.slurm import exits, facts, job, lint, render
 from hpctrain.slurm.progress import progress_line
 
 
@@ -26,8 +28,11 @@ def add_parser(sub) -> None:
     ssub = slurm.add_subparsers(dest="slurm_command", required=True, metavar="SUBCOMMAND")
     for name, text in (("render", "print the sbatch script"), ("check", "lint the job (exit 1 on errors)"),
                        ("submit", "check, write the script into the run dir, sbatch it, print the job id")):
-        p = ssub.add_parser(name, help=text)
-        add_run_args(p)
+        p = ssub.add_parser(name, help=text, description=f"hpctrain slurm {name} EXPERIMENT [--config F] [key=value "
+                            "...], or with --script PATH | --module MODULE [--nproc-per-node N] instead of EXPERIMENT "
+                            "and the script's arguments after -- (docs/scripts.md).")
+        add_run_args(p, optional=True)
+        add_script_args(p)
         if name == "submit":
             p.add_argument("--force", action="store_true",
                            help="submit despite errors found by the check, or when Slurm did not answer whether the "
@@ -60,18 +65,37 @@ def run(args: argparse.Namespace) -> int:
         return cancel_job(args.target, args.signal)
     if name == "logs":
         return show_logs(args.target, args.lines, args.follow)
+    preflight = ("slurm.preflight=true",) if name == "submit" and args.preflight else ()
+    script = script_request(args)
+    if script is not None:
+        script = dataclasses.replace(script, overrides=script.overrides + preflight)
+        cfg = script.resolve(job=True)
+        spec = job.job_spec(cfg, script_args=script.script_args, settings_toml=script.settings(cfg, job=True),
+                            nproc_per_node=script.nproc_per_node)
+    else:
+        cfg, spec = experiment_job(args, preflight)
+    if name == "render":
+        print(render.render_script(spec), end="")
+        return 0
+    if name == "check":
+        return check_job(cfg, spec)
+    return submit_job(cfg, spec, args.force) if script is None else submit_script_job(cfg, spec, args.force)
+
+
+def experiment_job(args: argparse.Namespace, preflight: tuple[str, ...]) -> tuple[RunConfig, render.JobSpec]:
+    """An experiment's config and job spec; --nproc-per-node N sets slurm.gpus_per_node as for a script."""
     from hpctrain.resolution import resolve_config
 
-    preflight = ("slurm.preflight=true",) if name == "submit" and args.preflight else ()
-    cfg = resolve_config(args.experiment, args.config_file, tuple(args.overrides) + preflight)[1]
-    if name == "render":
-        print(render.render_script(job.job_spec(cfg)), end="")
-        return 0
-    return check_job(cfg) if name == "check" else submit_job(cfg, args.force)
+    nproc = check_nproc(args.nproc_per_node)
+    overrides = with_processes(args.experiment, args.config_file, (*args.overrides, *preflight), nproc)
+    cfg = resolve_config(args.experiment, args.config_file, overrides)[1]
+    return cfg, job.job_spec(cfg, nproc_per_node=nproc)
 
 
 def shard_dirs(cfg: RunConfig) -> tuple[str, ...]:
-    """The shard folders the run's experiment reads (as its config sets them), for the facts."""
+    """The shard folders the run's experiment reads (as its config sets them), for the facts; none for a script."""
+    if cfg.script is not None:
+        return ()
     from hpctrain.experiments import resolve_experiment
 
     return tuple(resolve_experiment(cfg.experiment)(cfg).shard_dirs())
@@ -84,8 +108,8 @@ def check_findings(cfg: RunConfig, spec: render.JobSpec, extra: list[lint.Findin
     return findings
 
 
-def check_job(cfg: RunConfig) -> int:
-    findings = check_findings(cfg, job.job_spec(cfg))
+def check_job(cfg: RunConfig, spec: render.JobSpec) -> int:
+    findings = check_findings(cfg, spec)
     errors, warnings = (sum(f.level == level for f in findings) for level in ("error", "warning"))
     notes = len(findings) - errors - warnings
     print(f"hpctrain slurm check: {errors} error(s), {warnings} warning(s)" + (f", {notes} note(s)" if notes else ""),
@@ -93,11 +117,10 @@ def check_job(cfg: RunConfig) -> int:
     return 1 if errors else 0
 
 
-def submit_job(cfg: RunConfig, force: bool) -> int:
+def submit_job(cfg: RunConfig, spec: render.JobSpec, force: bool) -> int:
     from hpctrain.metrics.trackers.build import check_installed
     from hpctrain.train.resume_check import check_resume
 
-    spec = job.job_spec(cfg)
     # What would fail on the nodes after the queue wait, refused here whatever --force says: a second writer of the
     # run dir (its own job queued or running, or a training holding it), a checkpoint this config cannot resume
     # (its batch, its optimizer, a model whose parameters it does not fit). --force only submits when Slurm did not
@@ -105,11 +128,30 @@ def submit_job(cfg: RunConfig, force: bool) -> int:
     submit_guard.refuse_busy_run_dir(Path(spec.run_dir), force)
     check_installed(cfg.log.trackers)  # the job's environment is this one (slurm.python: the same interpreter)
     checkpoint = check_resume(cfg)
-    findings = check_findings(cfg, spec, model_changes(cfg, checkpoint))
+    refuse_errors(check_findings(cfg, spec, model_changes(cfg, checkpoint)), force)
+    return sbatch(spec)
+
+
+def submit_script_job(cfg: RunConfig, spec: render.JobSpec, force: bool) -> int:
+    """A script job: the same refusals (a second writer of the run dir, the lint's errors), the resolved config and
+    the settings written into the run dir before sbatch (the job writes them again, as rendered), then sbatch.
+    No checkpoint checks: the script's checkpoints are its own."""
+    submit_guard.refuse_busy_run_dir(Path(spec.run_dir), force)
+    refuse_errors(check_findings(cfg, spec), force)
+    write_run_files(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=spec.run_dir)),
+                    spec.script.settings_toml)
+    return sbatch(spec)
+
+
+def refuse_errors(findings: list[lint.Finding], force: bool) -> None:
     errors = [f for f in findings if f.level == "error"]
     if errors and not force:
         raise UserError(f"not submitted: {len(errors)} error(s) in the job (listed above)",
                         "fix them, or submit anyway with --force if you know better than the check.")
+
+
+def sbatch(spec: render.JobSpec) -> int:
+    """The rendered script into the run dir, sbatch, and what to type next."""
     job_id = job.submit(render.render_script(spec), Path(spec.run_dir))
     print(job_id)
     print(f"hpctrain: submitted job {job_id}; run dir {spec.run_dir}\n"
@@ -188,11 +230,25 @@ def show_status(target: str) -> int:
               + (f", exit code {fields['ExitCode']}" if fields.get("ExitCode") not in (None, "0:0") else "")
               + (f", requeued {restarts} time(s)" if restarts not in ("0", "") else ""))
     if run_dir is not None:
-        print(progress_line(run_dir))
+        print(progress_line(run_dir, script=is_script_run(run_dir)))
+        failure = exits.failure_line(exits.latest_records(run_dir, job_id))
+        if failure:  # a script job's: the rank that failed first, its host and its last error line
+            print(failure)
         sync = offline_sync_command(run_dir)
         if sync:
             print(f"W&B offline run; upload it with: {sync}")
     return 0
+
+
+def is_script_run(run_dir: Path) -> bool:
+    """Whether the run dir's config.toml names a script job ('script:...'); False when it has none yet."""
+    from hpctrain.config.target import is_script
+    from hpctrain.resolution import run_experiment_name
+
+    try:
+        return is_script(run_experiment_name(run_dir / "config.toml"))
+    except UserError:
+        return False
 
 
 def cancel_job(target: str, signal: str) -> int:

@@ -9,9 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Sequence
 
-from hpctrain.commands.arguments import add_launch_args, add_run_args, check_nproc, parse_with_overrides
+from hpctrain.commands.arguments import (add_launch_args, add_run_args, add_script_args, check_nproc,
+                                         parse_with_overrides)
 from hpctrain.config import batch_sizes, config_to_toml
 from hpctrain.config.schema import RunConfig
+from hpctrain.errors import UserError
 from hpctrain.fault.alerts import resolve_webhook
 from hpctrain.train.rundir import ensure_writable
 
@@ -25,9 +27,14 @@ PRELOAD = ("torch.distributed.checkpoint", "hpctrain.train.run", "hpctrain.userl
 
 
 def add_parser(sub) -> None:
-    train = sub.add_parser("train", help="train an experiment (locally, or inside torchrun/srun)")
-    add_run_args(train)
+    train = sub.add_parser(
+        "train", help="train an experiment (locally, or inside torchrun/srun), or run your own torchrun script",
+        description="hpctrain train EXPERIMENT [--nproc-per-node N] [--config F] [key=value ...], or "
+        "hpctrain train --script PATH | --module MODULE [--nproc-per-node N] [--config F] [key=value ...] "
+        "[-- SCRIPT ARGS ...]: torchrun here over the script (docs/scripts.md).")
+    add_run_args(train, optional=True)
     add_launch_args(train)
+    add_script_args(train, nproc=False)
     train.set_defaults(run=run, command_name="train")
 
     evaluate = sub.add_parser(
@@ -93,6 +100,14 @@ class EvalRequest(ExperimentRequest):
 
 
 def run(args: argparse.Namespace) -> int:
+    from hpctrain.commands.scripts import script_request, train_script
+
+    script = script_request(args)
+    if script is not None:
+        if args.resume:
+            raise UserError("--resume is hpctrain's own checkpoints' option; a script resumes from its own",
+                            "drop --resume; pass your script its own resume option after --.")
+        return train_script(script)
     return train(TrainRequest.from_args(args))
 
 

@@ -18,6 +18,7 @@ LIST_EXAMPLES: dict[str, list[Any]] = {
     "slurm.container_binds": ["/scratch/data", "/datasets/cifar10:/data"],
     "slurm.env": ["NCCL_IB_TIMEOUT=22", "OMP_NUM_THREADS=8"],
     "slurm.preflight_args": ["--min-busbw", "20"],
+    "fault.requeue_exit_codes": [76],
 }
 """Keys of hpctrain's own sections. An experiment's [model] list keys get one from their item type."""
 

@@ -14,7 +14,7 @@ import shlex
 import sys
 import typing
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Literal, Mapping
 
 import tomli_w
 
@@ -196,24 +196,6 @@ def _toml_literal(value: Any) -> str:
     return ("true" if value else "false") if isinstance(value, bool) else repr(value)
 
 
-def explicit_settings(experiment: str, config_file: str | Path | None, overrides: Sequence[str]) -> dict[str, Any]:
-    """Only the settings a user gave (a TOML file, then key=value items), as nested TOML tables with the top-level
-    ``experiment``: what a script's session resolves above its own defaults (HPCTRAIN_SETTINGS). Checked as
-    load_config checks them (a typo is refused here, before any launch)."""
-    values = _read_toml(Path(config_file), experiment) if config_file is not None else {}
-    for item in overrides:
-        key, raw = _split_override(item)
-        try:
-            values[key] = _Value(tomllib.loads(f"v = {raw}")["v"], "command line")
-        except tomllib.TOMLDecodeError:
-            values[key] = _Value(raw, "command line")  # a string, as typed
-    tree: dict[str, Any] = {"experiment": experiment}
-    for dotted, item in values.items():
-        section, _, name = dotted.partition(".")
-        tree.setdefault(section, {})[name] = item.value
-    return tree
-
-
 def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
     out: dict[str, Any] = {"experiment": cfg.experiment}
     for f in dataclasses.fields(cfg):
@@ -233,6 +215,28 @@ def flat_config(cfg: RunConfig) -> dict[str, Any]:
 def config_to_toml(cfg: RunConfig) -> str:
     """The resolved config as TOML; ``load_config(..., config_file=...)`` reads it back to an equal RunConfig."""
     return tomli_w.dumps(config_to_dict(cfg))
+
+
+def given_keys(experiment: str, config_file: str | Path | None = None,
+               overrides: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The dotted keys that a --config file and key=value overrides set, file first, each once: what the user gave,
+    as load_config reads it (an unreadable file or a malformed override is the same UserError)."""
+    keys = list(_read_toml(Path(config_file), experiment)) if config_file is not None else []
+    keys += [_split_override(item)[0] for item in overrides]
+    return list(dict.fromkeys(keys))
+
+
+def settings_toml(cfg: RunConfig, keys: list[str] | tuple[str, ...]) -> str:
+    """The settings a user gave, as TOML: the top-level experiment, then each of ``keys`` with its resolved value
+    from ``cfg`` (typed and validated), and run.dir always, absolute. What a script job's processes read
+    (HPCTRAIN_SETTINGS): only these, so that code reading it puts its own defaults below them, not hpctrain's."""
+    resolved = config_to_dict(cfg)
+    out: dict[str, Any] = {"experiment": cfg.experiment}
+    for key in (*keys, "run.dir"):
+        section, _, name = key.partition(".")
+        out.setdefault(section, {})[name] = resolved[section][name]
+    out["run"]["dir"] = str(Path(cfg.run_dir).resolve())
+    return tomli_w.dumps(out)
 
 
 def flat_differences(old_text: str, new_text: str) -> list[tuple[str, Any, Any]]:

@@ -16,13 +16,15 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, Literal
 
+from hpctrain.config.target import ScriptTarget
 from hpctrain.config.validate import validate
 
 
 @dataclass(frozen=True, kw_only=True)
 class RunSection:
     dir: str = ""
-    """Run directory (config, metrics, checkpoints, plots, logs). Empty: runs/<experiment>."""
+    """Run directory (config, metrics, checkpoints, plots, logs). Empty: runs/<experiment>; for a script job
+    runs/<the script's file stem or the module's last part>."""
     seed: int = 0
     """Seed of everything: model init, data order (with the epoch), augmentation (with epoch and sample index)."""
     name: str = ""
@@ -281,9 +283,15 @@ class FaultSection:
     """Signal that asks for a checkpoint and a requeue, besides SIGTERM (Slurm: --signal=B:USR2@SECONDS).
     Not SIGUSR1 by default: NCCL has used it."""
     requeue: bool = True
-    """After a preemption checkpoint inside a Slurm job, rank 0 runs 'scontrol requeue $SLURM_JOB_ID'."""
+    """After a preemption checkpoint inside a Slurm job, rank 0 runs 'scontrol requeue $SLURM_JOB_ID'. A script job
+    (--script) is requeued by its batch shell instead, when every rank exited with a requeue code; false: never."""
     exit_code: int = 75
-    """Exit code of a run stopped by a signal after its checkpoint (75, EX_TEMPFAIL: 'try again')."""
+    """Exit code of a run stopped by a signal after its checkpoint (75, EX_TEMPFAIL: 'try again'). A script job
+    (--script) is requeued when every one of its processes exits with it (or with one of fault.requeue_exit_codes);
+    any other non-zero exit is a failure, never requeued."""
+    requeue_exit_codes: tuple[int, ...] = ()
+    """Script jobs (--script): more exit codes, besides fault.exit_code, with which your script asks to be requeued
+    (e.g. [76] when 75 already means something else to it). Each in 1..255."""
     heartbeat_every_s: float = 10.0
     """Each rank writes RUN_DIR/heartbeat/rank_N.json this often (step, phase, host, pid)."""
     hang_timeout_s: float = 300.0
@@ -295,6 +303,12 @@ class FaultSection:
     workers starting, a recompile in the first validation batch). Below hang_timeout_s: hang_timeout_s applies.
     Capped just below dist.timeout_s: a rank waiting longer than that for a peer fails its collective anyway,
     and the report must come first."""
+
+    @property
+    def requeue_codes(self) -> frozenset[int]:
+        """The exit codes with which a script job's processes ask to be requeued: fault.exit_code and
+        fault.requeue_exit_codes."""
+        return frozenset({self.exit_code, *self.requeue_exit_codes})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -399,10 +413,6 @@ class SlurmSection:
     """Extra `doctor --perf` options for the pre-flight, e.g. ["--min-busbw", "20", "--max-size", "256MiB"]."""
 
 
-SCRIPT_PREFIX = "script:"
-"""RunConfig.experiment of a user's own script (a loop of its own, hpctrain.session): ``script:PATH``."""
-
-
 @dataclass(frozen=True, kw_only=True)
 class NoModelOptions:
     """Placeholder [model] section for experiments without options."""
@@ -426,7 +436,8 @@ SECTIONS: dict[str, type] = {
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
     experiment: str
-    """Registered experiment name or 'package.module:Class'."""
+    """Registered experiment name or 'package.module:Class'; for a script job 'script:PATH' or 'script:-m MODULE'
+    (config/target.py)."""
     run: RunSection = field(default_factory=RunSection)
     """Run identity and seed."""
     train: TrainSection = field(default_factory=TrainSection)
@@ -456,17 +467,19 @@ class RunConfig:
         validate(self)
 
     @property
+    def script(self) -> ScriptTarget | None:
+        """The script or module a script job runs (None: an experiment)."""
+        return ScriptTarget.parse(self.experiment)
+
+    @property
     def run_dir(self) -> str:
-        if self.run.dir:
-            return self.run.dir
-        if self.experiment.startswith(SCRIPT_PREFIX):  # a user's own script: runs/train for script:path/train.py
-            stem = self.experiment[len(SCRIPT_PREFIX):].replace("\\", "/").rsplit("/", 1)[-1].removesuffix(".py")
-            return f"runs/{stem or 'script'}"
-        return f"runs/{self.experiment.replace(':', '_').replace('.', '_')}"
+        if self.script is not None:  # runs/train for train.py or pkg.train, not runs/script_train_py
+            return self.run.dir or f"runs/{self.script.run_name}"
+        return self.run.dir or f"runs/{self.experiment.replace(':', '_').replace('.', '_')}"
 
     @property
     def run_name(self) -> str:
-        return self.run.name or self.experiment
+        return self.run.name or (self.script.run_name if self.script is not None else self.experiment)
 
 
 @cache

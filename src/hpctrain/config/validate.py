@@ -84,6 +84,8 @@ def validate(cfg: Any) -> None:
         "fault.hang_timeout_s", "must be longer than fault.heartbeat_every_s, or the watchdog cannot see progress",
     )
     _require(f.slow_phase_timeout_s >= 0, "fault.slow_phase_timeout_s", "must be >= 0")
+    _require(all(0 < c < 256 for c in f.requeue_exit_codes), "fault.requeue_exit_codes",
+             f"each code must be in 1..255, got {list(f.requeue_exit_codes)}")
     bad = sorted(set(cfg.alert.events) - ALERT_EVENTS)
     _require(not bad, "alert.events", f"unknown event(s) {bad}; choose from {sorted(ALERT_EVENTS)}")
     _require(cfg.alert.timeout_s > 0, "alert.timeout_s", "must be positive")

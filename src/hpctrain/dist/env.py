@@ -332,6 +332,65 @@ def agent_environment(error_file: str) -> Iterator[None]:
                 os.environ[name] = value
 
 
+SCRIPT_SETTINGS = "HPCTRAIN_SETTINGS"
+"""Set for every process of a script job (--script): the absolute path of RUN_DIR/settings.toml, the hpctrain
+settings the user gave (config/load.settings_toml). hpctrain.session() reads it."""
+EXITS_DIR = "HPCTRAIN_EXITS_DIR"
+"""Set by a script job's batch shell: where each node's launcher records how its ranks ended (one file per node),
+and from which the batch shell decides whether to requeue."""
+FORWARD_SIGNALS = "HPCTRAIN_FORWARD_SIGNALS"
+"""Set by a script job's batch shell: 0 when Slurm signals every process of the job step itself (ProctrackType
+cgroup or linuxproc), so that the node launchers pass no signal on (each rank would get it twice); 1 otherwise."""
+
+
+def script_settings_path(environ: Mapping[str, str] | None = None) -> str:
+    """HPCTRAIN_SETTINGS: the settings file of the script job this process belongs to ('' outside one)."""
+    return (os.environ if environ is None else environ).get(SCRIPT_SETTINGS, "")
+
+
+@contextlib.contextmanager
+def script_environment(settings_path: str) -> Iterator[None]:
+    """HPCTRAIN_SETTINGS for the workers of a script job launched from this process (they inherit it), restored
+    afterwards: the launch runs inside the command's own process."""
+    saved = os.environ.get(SCRIPT_SETTINGS)
+    os.environ[SCRIPT_SETTINGS] = settings_path
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(SCRIPT_SETTINGS, None)
+        else:
+            os.environ[SCRIPT_SETTINGS] = saved
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScriptStep:
+    """What a script job's batch shell tells each node's launcher (all defaults outside a Slurm script job)."""
+
+    exits_dir: str = ""
+    """Where the node records how its ranks ended ('' when nothing is recorded: a local launch)."""
+    forward_signals: bool = True
+    """Pass stop signals on to the workers (False where Slurm delivers them to every process itself)."""
+    node_id: int = 0
+    """This node's index in the step (SLURM_NODEID)."""
+    num_nodes: int = 1
+    """Nodes of the step, one launcher each."""
+
+
+def script_step(environ: Mapping[str, str] | None = None) -> ScriptStep:
+    """The batch shell's word to this node's launcher of a script job (HPCTRAIN_EXITS_DIR, HPCTRAIN_FORWARD_SIGNALS,
+    and srun's SLURM_NODEID and SLURM_STEP_NUM_NODES)."""
+    env = os.environ if environ is None else environ
+
+    def number(name: str, default: int) -> int:
+        value = env.get(name, "")
+        return int(value) if value.isdigit() else default
+
+    return ScriptStep(exits_dir=env.get(EXITS_DIR, ""), forward_signals=env.get(FORWARD_SIGNALS, "1") != "0",
+                      node_id=number("SLURM_NODEID", 0),
+                      num_nodes=number("SLURM_STEP_NUM_NODES", number("SLURM_NNODES", 1)))
+
+
 def cpus_available() -> int:
     """CPUs this process may run on (Slurm's cpus-per-task binding shows up in the affinity mask)."""
     try:
@@ -418,8 +477,8 @@ def resume_record_dir(environ: Mapping[str, str] | None = None) -> str:
 
 
 def script_name(argv: list[str] | None = None) -> str:
-    """The program a user's loop runs in (sys.argv[0]'s file name), naming a session started without hpctrain."""
+    """The program a user's loop runs in (sys.argv[0] as given), naming a session started without hpctrain."""
     import sys
 
-    program = (sys.argv if argv is None else argv)[0] if (sys.argv if argv is None else argv) else ""
-    return os.path.basename(program) or "session"
+    argv = sys.argv if argv is None else argv
+    return (argv[0] if argv else "") or "session"

@@ -10,6 +10,7 @@ import importlib
 import os
 import sys
 
+from hpctrain.config.target import ScriptTarget
 from hpctrain.errors import UserError, did_you_mean
 from hpctrain.experiments.base import Experiment
 
@@ -27,11 +28,24 @@ def list_experiments() -> list[str]:
 
 
 def resolve_experiment(name: str) -> type[Experiment]:
+    script = ScriptTarget.parse(name)
+    if script is not None:
+        raise UserError(
+            f"'{name}' is a script run by torchrun ({script.shown}), not an hpctrain experiment: hpctrain does not "
+            "know its model, data or checkpoints, so it cannot evaluate, export, sample or predict from its run",
+            "use your script's own evaluation; for a script's run dir hpctrain offers 'hpctrain report RUN_DIR' and "
+            "'hpctrain slurm status|logs RUN_DIR'.",
+        )
     target = BUILTIN.get(name, name)
     if ":" not in target:
+        path = ""
+        if "/" in name or name.endswith(".py"):
+            path = (f" '{name}' is a file here: --script {name} runs it as a script." if os.path.isfile(name)
+                    else " It looks like a path, but no such file is here.")
         raise UserError(
-            f"unknown experiment '{name}'.{did_you_mean(name, BUILTIN)}",
-            f"built-in experiments: {', '.join(list_experiments())}; or give your own as 'package.module:Class'.",
+            f"unknown experiment '{name}'.{did_you_mean(name, BUILTIN)}{path}",
+            f"built-in experiments: {', '.join(list_experiments())}; or give your own as 'package.module:Class'; "
+            "to run a torchrun script of your own: --script PATH (or --module MODULE).",
         )
     module_name, _, attr = target.partition(":")
     # Like uvicorn and gunicorn: the user's module in the working directory is importable from the

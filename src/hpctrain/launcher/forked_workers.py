@@ -61,7 +61,7 @@ def forked_workers(enabled: bool, preload: Sequence[str] = (),
     for all of them; ``threads``: quiet_launcher's record, checked after those imports (None: not checked).
     Entered right before torchrun starts, and before the launcher starts threads of its own (the node monitors').
     Yields whether the fork path is in place."""
-    api = _torch_api() if enabled else None
+    api = torch_subprocess_api() if enabled else None
     if api is None:
         if enabled:
             print("hpctrain: this torch's torchrun has no subprocess handler factory with the parameters hpctrain's "
@@ -113,7 +113,7 @@ HANDLER_PARAMETERS = ("entrypoint", "args", "env", "stdout", "stderr", "local_ra
 """The keywords forked_workers' handler accepts: those of get_subprocess_handler in torch 2.11 to 2.14."""
 
 
-def _torch_api():
+def torch_subprocess_api():
     """torch's elastic multiprocessing module when it has the factory this replaces, with no parameter the
     replacement does not accept (a keyword a later torch adds would be a TypeError at every launch), else None."""
     try:
@@ -211,14 +211,7 @@ class ForkedProcess:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        delay = 0.001
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
-        return self.returncode
+        return wait_by_polling(self, timeout)
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
@@ -230,6 +223,19 @@ class ForkedProcess:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+def wait_by_polling(process: Any, timeout: float | None = None) -> int:
+    """Popen.wait for a process object whose poll() says when it has ended (a fork, a held worker): raises
+    subprocess.TimeoutExpired after ``timeout`` seconds, as Popen's does."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    delay = 0.001
+    while (code := process.poll()) is None:
+        if deadline is not None and time.monotonic() >= deadline:
+            raise subprocess.TimeoutExpired(process.args, timeout)
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+    return code
 
 
 def _child(module_args: list[str], env: dict[str, str], output: tuple[Any, Any], entry: Callable[[], Any],

@@ -133,14 +133,21 @@ class _Interrupts:
             _kill_children_in(INTERRUPT_GRACE_S)
 
 
-def forwarding() -> dict:
+def _delivered_by_slurm(_signum: int, _frame) -> None:
+    """A stop signal that Slurm delivered to every process of the job step, the workers included: nothing to pass
+    on (each would get it twice), and the launcher must not die of it (the default for USR1/USR2 and TERM)."""
+
+
+def forwarding(forward: bool = True) -> dict:
     """Installs the forwarding handlers for a launch (its presses and kills are its own); returns the caller's
-    handlers, for restore_handlers. SIGQUIT keeps torchrun's behaviour: it is in the map only to be restored."""
+    handlers, for restore_handlers. SIGQUIT keeps torchrun's behaviour: it is in the map only to be restored.
+    ``forward`` False: the stop signals (SIGINT too) are received and passed on to nobody, for a job step whose
+    workers Slurm signals itself (a script job: it cannot tell the second copy of a signal from a new one)."""
     _Interrupts.count, _Interrupts.first_at, _Interrupts.killed, _StopGrace.killed = 0, 0.0, frozenset(), frozenset()
     previous = {sig: signal.getsignal(sig) for sig in (*FORWARDED, signal.SIGINT, signal.SIGQUIT, signal.SIGALRM)}
     for sig in FORWARDED:
-        signal.signal(sig, _forward)
-    signal.signal(signal.SIGINT, _Interrupts.handle)
+        signal.signal(sig, _forward if forward else _delivered_by_slurm)
+    signal.signal(signal.SIGINT, _Interrupts.handle if forward else _delivered_by_slurm)
     return previous
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Sequence
 
 from hpctrain.config.schema import RunConfig
+from hpctrain.config.target import is_script
 from hpctrain.data.shards import MANIFEST
 from hpctrain.data.staging import free_bytes
 from hpctrain.dist.env import expand_path, module_system_present
@@ -72,6 +73,14 @@ class Facts:
     """Their bytes."""
     max_array_size: int = 0
     """The cluster's MaxArraySize (a job array's indices must stay below it); 0 if unknown or not asked (one run)."""
+    script_file: str = ""
+    """A script job's file as the job finds it (absolute, relative paths from the job's working directory); '' for
+    an experiment or a module."""
+    script_problem: str = ""
+    """Why the job could not run the script from here ('' when it could): 'missing', 'directory', or the error of
+    reading it; for a module, 'missing' when no module of that name is found."""
+    script_fs: str = ""
+    """Filesystem type of the script's folder."""
 
 
 def partition_nodes(partition: str) -> tuple[tuple[NodeFacts, ...], str]:
@@ -129,7 +138,47 @@ def gather_facts(cfg: RunConfig, spec: JobSpec, shard_dirs: Sequence[str]) -> Fa
         nodes=nodes,
         max_array_size=max_array_size() if spec.array is not None else 0,
         **_data_facts(cfg, Path(spec.workdir), shard_dirs),
+        **_script_facts(cfg, Path(spec.workdir)),
     )
+
+
+def _script_facts(cfg: RunConfig, workdir: Path) -> dict:
+    """Where a script job's script is, whether it can be read, on what filesystem; a module, whether it is found
+    from the job's working directory or this Python's packages (as the job's python -m finds it)."""
+    target = cfg.script
+    if target is None:
+        return {}
+    if target.module:
+        top = target.module.split(".")[0]
+        here = workdir / top
+        found = here.with_suffix(".py").is_file() or (here / "__init__.py").is_file() or _importable(top)
+        return {"script_problem": "" if found else "missing"}
+    path = workdir / target.path  # an absolute path stays as it is
+    return {"script_file": str(path), "script_problem": file_problem(path),
+            "script_fs": filesystem_type(path.parent) if path.parent.exists() else ""}
+
+
+def file_problem(path: Path) -> str:
+    """Why a script cannot be run from ``path``: 'missing', 'directory', or the error of reading it ('' for none)."""
+    if not path.exists():
+        return "missing"
+    if path.is_dir():
+        return "directory"
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as err:
+        return err.strerror or str(err)
+    return ""
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def max_array_size() -> int:
@@ -157,7 +206,7 @@ def _nearest_existing(path: Path) -> str:
 def _module_file(experiment: str, workdir: Path) -> str:
     """For a module:Class experiment, its module's file when the working directory holds it (as the job's
     `python -m hpctrain` finds it there); '' for a built-in experiment or a module found elsewhere."""
-    if ":" not in experiment:
+    if ":" not in experiment or is_script(experiment):
         return ""
     parts = experiment.split(":", 1)[0].split(".")
     for candidate in (workdir.joinpath(*parts).with_suffix(".py"), workdir.joinpath(*parts, "__init__.py")):

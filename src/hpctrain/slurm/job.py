@@ -22,15 +22,17 @@ from hpctrain.atomic import atomic_write_text
 from hpctrain.config.load import config_to_toml
 from hpctrain.config.schema import RunConfig
 from hpctrain.errors import UserError
-from hpctrain.slurm.render import JobSpec
+from hpctrain.slurm.render import JobSpec, ScriptSpec
 
 JOBS_FILE = "slurm/jobs.jsonl"
 SIGNAL_ANSWER_S = 4.0
 """How long scancel may take to signal a job: its first retry comes after 5 s (see cancel)."""
 
 
-def job_spec(cfg: RunConfig, workdir: Path | None = None) -> JobSpec:
-    """The spec for this config, run from ``workdir`` (default: here) with this Python environment."""
+def job_spec(cfg: RunConfig, workdir: Path | None = None, *, script_args: tuple[str, ...] = (),
+             settings_toml: str = "", nproc_per_node: int = 0) -> JobSpec:
+    """The spec for this config, run from ``workdir`` (default: here) with this Python environment. A script job's
+    (cfg.script): its arguments, the settings the user gave (config/load.settings_toml) and --nproc-per-node."""
     run_dir = Path(cfg.run_dir).resolve()
     if "%" in str(run_dir):
         raise UserError(f"run.dir {run_dir} contains '%', which Slurm would read as a file-name pattern",
@@ -50,7 +52,20 @@ def job_spec(cfg: RunConfig, workdir: Path | None = None) -> JobSpec:
         venv=sys.prefix if in_venv and not s.python else "",
         warning_signal=cfg.fault.warning_signal,
         version=__version__,
+        script=script_spec(cfg, script_args, settings_toml),
+        nproc_per_node=nproc_per_node,
     )
+
+
+def script_spec(cfg: RunConfig, args: tuple[str, ...], settings_toml: str) -> ScriptSpec | None:
+    """A script job's program, arguments, settings and requeue codes (fault.exit_code first); None for an
+    experiment."""
+    if cfg.script is None:
+        return None
+    f = cfg.fault
+    return ScriptSpec(program=tuple(cfg.script.python_args), args=tuple(args), settings_toml=settings_toml,
+                      requeue_codes=(f.exit_code, *sorted(f.requeue_codes - {f.exit_code})),
+                      requeue=f.requeue and cfg.slurm.requeue)
 
 
 def slurm_command(name: str) -> str:

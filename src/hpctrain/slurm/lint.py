@@ -42,12 +42,14 @@ class Finding:
 def lint(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
     findings: list[Finding] = []
     for check in (_batch, _cpus, _srun_share, _time, _run_dir, _workdir, _environment, _partition, _staging,
-                  _shard_local, _array):
+                  _shard_local, _array, _processes, _script):
         findings += check(cfg, spec, facts)
     return sorted(findings, key=lambda f: ("error", "warning", "info").index(f.level))
 
 
 def _batch(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
+    if spec.script is not None:  # the script's batches are its own
+        return []
     world = cfg.slurm.nodes * cfg.slurm.gpus_per_node
     try:
         batch_sizes(cfg.train.global_batch_size, cfg.train.micro_batch_size, world)
@@ -64,7 +66,7 @@ def _cpus(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
         return [Finding("error", "slurm.cpus_per_task", f"{cpus} CPUs for {procs} processes per node",
                         _more_cpus_hint(procs, cfg.data.num_workers, most, _where(s)))]
     workers = cfg.data.num_workers
-    if workers > 0 and procs * (workers + 1) > cpus:
+    if workers > 0 and procs * (workers + 1) > cpus and spec.script is None:  # a script's loaders are its own
         return [Finding("warning", "data.num_workers",
                         f"{procs} processes x ({workers} workers + 1) = {procs * (workers + 1)} busy processes on "
                         f"{cpus} CPUs per node; they will share CPUs and the loader may starve the GPUs",
@@ -140,7 +142,7 @@ def _time(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
                            "no warning signal before the time limit: the work since the last checkpoint is lost",
                            f"keep fault.warning_signal=SIGUSR2 and slurm.signal_lead_s={_lead_for(limit)}"))
     every = cfg.ckpt.every_minutes * 60
-    if limit is not None and (every == 0 or every >= limit) and cfg.ckpt.every_steps == 0:
+    if limit is not None and (every == 0 or every >= limit) and cfg.ckpt.every_steps == 0 and spec.script is None:
         out.append(Finding("warning", "ckpt.every_minutes",
                            f"no periodic checkpoint within the {format_duration(limit)} time limit: a crash or node "
                            "failure loses the whole allocation",
@@ -223,7 +225,7 @@ def _environment(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
     if s.modules and not facts.module_system:
         out.append(Finding("warning", "slurm.modules", "no environment-module system (Lmod/Tcl) found here",
                            "the job's 'module load' fails where modules do not exist; empty slurm.modules there"))
-    if cfg.dist.backend == "nccl" and not s.gpus:
+    if cfg.dist.backend == "nccl" and not s.gpus and spec.script is None:  # a script picks its own backend
         out.append(Finding("error", "dist.backend", "nccl needs GPUs but slurm.gpus=false",
                            "use dist.backend=auto (gloo without GPUs) or request GPUs"))
     return out
@@ -361,3 +363,60 @@ def _array(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
                     f"MaxArraySize is {facts.max_array_size} (indices must stay below it)",
                     f"split the grid into sweeps of at most {facts.max_array_size} points (--max-parallel limits "
                     "how many run at once, not how many the array holds), or ask your admins.")]
+
+
+GPU_REQUESTS = ("--gres", "--gpus", "-G", "--gpus-per-node", "--gpus-per-task", "--ntasks-per-node")
+"""sbatch options of slurm.extra_sbatch that would ask for GPUs or tasks besides the job's own --gres request and
+its one task (torchrun) per node."""
+
+
+def _processes(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
+    """torchrun's processes per node (--nproc-per-node) against the GPUs the job asks for (--gres=gpu:G from
+    slurm.gpus_per_node), and no second GPU request in slurm.extra_sbatch."""
+    s, out = cfg.slurm, []
+    n = spec.nproc_per_node
+    if n and n != s.gpus_per_node:
+        asked = (f"--gres=gpu:{s.gpu_type + ':' if s.gpu_type else ''}{s.gpus_per_node}" if s.gpus
+                 else f"slurm.gpus_per_node={s.gpus_per_node} (with slurm.gpus=false: the processes per node)")
+        out.append(Finding("error", "--nproc-per-node",
+                           f"torchrun would start {n} processes per node, but the job asks for {asked}",
+                           f"one process per GPU: --nproc-per-node {s.gpus_per_node}, or slurm.gpus_per_node={n}"))
+    for item in s.extra_sbatch:
+        option = item.split("=", 1)[0]
+        if option in GPU_REQUESTS:
+            out.append(Finding("warning", "slurm.extra_sbatch",
+                               f"{option} in slurm.extra_sbatch asks again for what the job script asks for itself "
+                               f"(--gres=gpu:G from slurm.gpus_per_node, one task per node for torchrun): the "
+                               "two requests can contradict each other",
+                               "drop it, and set slurm.gpus_per_node (and slurm.gpu_type) instead"))
+    return out
+
+
+def _script(cfg: RunConfig, spec: JobSpec, facts: Facts) -> list[Finding]:
+    """A script job's script: there, a file, readable, and on a filesystem the compute nodes see."""
+    target = cfg.script
+    if spec.script is None or target is None:
+        return []
+    where = f"the job runs in {spec.workdir}, and relative paths are from there"
+    if target.module:
+        if facts.script_problem != "missing":
+            return []
+        return [Finding("warning", "--module", f"no module {target.module} is found from {spec.workdir} or this "
+                        "Python's packages (it may be installed on the compute nodes only)",
+                        f"{where}: submit from the folder that holds it, or install it into the job's environment")]
+    path, problem = facts.script_file, facts.script_problem
+    if problem == "missing":
+        return [Finding("error", "--script", f"script {path} does not exist", f"check the path; {where}")]
+    if problem == "directory":
+        return [Finding("error", "--script", f"{path} is a directory, not a script",
+                        "name the .py file that torchrun should run")]
+    if problem:
+        return [Finding("error", "--script", f"script {path} cannot be read: {problem}",
+                        f"make it readable for the job's user (chmod a+r {shlex.quote(path)})")]
+    local_dir = _node_local_dir(path)
+    if local_dir or (cfg.slurm.nodes > 1 and facts.script_fs in NODE_LOCAL_FS):
+        how = f"under {local_dir}" if local_dir else f"on a {facts.script_fs} filesystem"
+        return [Finding("warning", "--script", f"{path} is {how}, which usually exists only on this machine: the "
+                        "compute nodes may not find it", "put the script on the shared filesystem (home, project or "
+                        "scratch space of the cluster) and submit from there")]
+    return []

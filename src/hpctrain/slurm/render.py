@@ -7,10 +7,12 @@ passed on to every task, and a requeued job that keeps its first log and its own
 
 Two launchers (slurm.launcher): ``torchrun`` (default), one task per node running ``hpctrain.launch``; ``srun``,
 one task per process running ``python -m hpctrain.slurm.task``. render_script says what each does on a failure.
+A script job (:class:`ScriptSpec`: the user's own torchrun script) runs torchrun per node over the script instead of
+hpctrain, and its batch shell requeues the job when every rank asked for it (slurm/script_job.py).
 
 Every user value is quoted: for the shell with :func:`shlex.quote`, and on ``#SBATCH`` lines in sbatch's own
-double-quote syntax. Values cannot hold newlines (the config rejects control characters), so nothing can end a
-line early.
+double-quote syntax. Config values cannot hold newlines (the config rejects control characters), so nothing can end
+a line early; a script's arguments may, and stay single-quoted words (a quoted newline ends no command).
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from dataclasses import dataclass
 
 from hpctrain.config.schema import SlurmSection
 from hpctrain.dist.env import PORT_BASE, PORT_SPAN
+from hpctrain.slurm.script_job import (CONFIG_DELIMITER, ScriptSpec, point_arguments, script_arguments, script_config,
+                                       script_end, script_signals)
 
-CONFIG_DELIMITER = "HPCTRAIN_CONFIG_EOF"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +67,11 @@ class JobSpec:
     """hpctrain version, for the header."""
     array: ArraySpec | None = None
     """A sweep's job array: the run dir and config come from the task's point. None: one run."""
+    script: ScriptSpec | None = None
+    """A script job's program; None: the experiment, trained by hpctrain."""
+    nproc_per_node: int = 0
+    """torchrun's --nproc-per-node when the command line gave one (--nproc-per-node); 0: slurm.gpus_per_node. The
+    lint requires the two to agree (one process per GPU)."""
 
 
 def sbatch_quote(value: str) -> str:
@@ -143,18 +151,22 @@ def render_script(spec: JobSpec) -> str:
         _preamble(spec),
         _environment(spec),
         _network(spec),
-        _config(spec),
+        _config(spec) if spec.script is None else script_config(spec),
+        script_signals(spec),
         _launch(spec),
     ]
     return "\n".join(p for p in parts if p) + "\n"
 
 
 def _header(spec: JobSpec) -> str:
-    again = ("hpctrain sweep submit EXPERIMENT --grid KEY=V1,V2 ... --dry-run" if spec.array
-             else "hpctrain slurm render EXPERIMENT --config FILE [key=value ...]")
+    what = "--script PATH" if spec.script else "EXPERIMENT"  # (a script's path may be any text: not in a comment)
+    tail = " -- SCRIPT ARGS" if spec.script else ""
+    again = (f"hpctrain sweep submit {what} --grid KEY=V1,V2 ... --dry-run{tail}" if spec.array
+             else f"hpctrain slurm render {what} --config FILE [key=value ...]{tail}")
+    kind = "a script job" if spec.script else f"experiment {spec.experiment!r}"
     return (
         "#!/bin/bash\n"
-        f"# Written by hpctrain {spec.version} for experiment {spec.experiment!r}.\n"
+        f"# Written by hpctrain {spec.version} for {kind}.\n"
         "# Change the [slurm] config and render again rather than editing this file:\n"
         f"#   {again}"
     )
@@ -300,10 +312,11 @@ def _config(spec: JobSpec) -> str:
 def launcher_args(spec: JobSpec, rdzv_id: str = '"$SLURM_JOB_ID"') -> list[str]:
     """torchrun arguments (shell words; the $VARIABLES are expanded by the batch shell)."""
     s = spec.slurm
+    nproc = spec.nproc_per_node or s.gpus_per_node
     if s.nodes == 1:
-        return ["--standalone", "--nnodes=1", f"--nproc-per-node={s.gpus_per_node}"]
+        return ["--standalone", "--nnodes=1", f"--nproc-per-node={nproc}"]
     return [
-        '--nnodes="$SLURM_JOB_NUM_NODES"', f"--nproc-per-node={s.gpus_per_node}",
+        '--nnodes="$SLURM_JOB_NUM_NODES"', f"--nproc-per-node={nproc}",
         "--rdzv-backend=c10d", '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"', f"--rdzv-id={rdzv_id}",
         "--max-restarts=0",
     ]
@@ -318,7 +331,8 @@ def _step_prefix(spec: JobSpec, rdzv_id: str = '"$SLURM_JOB_ID"') -> list[str]:
     cmd += gpu_binding(s) + _container_prefix(spec)
     if s.launcher == "srun":
         return cmd + [q(python), "-u", "-m", "hpctrain.slurm.task"]
-    return cmd + [q(python), "-u", "-m", "hpctrain.launch"] + launcher_args(spec, rdzv_id) + ["-m", "hpctrain"]
+    cmd += [q(python), "-u", "-m", "hpctrain.launch"] + launcher_args(spec, rdzv_id)
+    return cmd + ([q(p) for p in spec.script.program] if spec.script else ["-m", "hpctrain"])
 
 
 def _preflight(spec: JobSpec) -> list[str]:
@@ -351,17 +365,22 @@ def _container_prefix(spec: JobSpec) -> list[str]:
 
 
 def _launch(spec: JobSpec) -> str:
-    cmd = _step_prefix(spec) + ["train", q(spec.experiment), '--config "$CONFIG"']
     s = spec.slurm
-    if s.launcher == "srun":
+    if spec.script is not None:
+        cmd = _step_prefix(spec) + script_arguments(spec)
+        title = "# --- launch: one torchrun per node over the script ---"
+    elif s.launcher == "srun":
+        cmd = _step_prefix(spec) + ["train", q(spec.experiment), '--config "$CONFIG"']
         bound = (", each bound to one GPU" if gpu_binding(s) else ", each seeing all of the node's GPUs") if s.gpus else ""
         tasks = f"{s.gpus_per_node} tasks" if s.gpus_per_node > 1 else "1 task"
         title = f"# --- launch: {tasks} per node, one per process{bound} (srun, no torchrun) ---"
     else:
+        cmd = _step_prefix(spec) + ["train", q(spec.experiment), '--config "$CONFIG"']
         title = "# --- launch: one torchrun per node ---"
     lines = _preflight(spec) + [
         "",
         title,
+        *point_arguments(spec),
         "LAUNCH=(" + " ".join(cmd) + ")",
         'printf "%q " "${LAUNCH[@]}" > "$RUN_DIR/slurm/launch_$SLURM_JOB_ID.sh"',
         'echo "hpctrain: launching: $(cat "$RUN_DIR/slurm/launch_$SLURM_JOB_ID.sh")"',
@@ -398,6 +417,8 @@ def _launch(spec: JobSpec) -> str:
         "# bash keeps the status of an ended child, so the last wait gives srun's own exit code",
         'while kill -0 "$SRUN_PID" 2> /dev/null; do wait "$SRUN_PID" || true; done',
         'rc=0; wait "$SRUN_PID" || rc=$?',
+    ]
+    lines += script_end(spec) if spec.script is not None else [
         'echo "hpctrain: job step ended with exit code $rc at $(date -Is)"',
         'exit "$rc"',
     ]

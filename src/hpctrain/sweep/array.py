@@ -53,12 +53,17 @@ def point_table(plan: SweepSpec) -> str:
     return "\n".join(lines)
 
 
-def array_spec(plan: SweepSpec, configs: dict, max_parallel: int, indices: tuple[int, ...] = ()) -> render.JobSpec:
+def array_spec(plan: SweepSpec, configs: dict, max_parallel: int, indices: tuple[int, ...] = (),
+               nproc_per_node: int = 0) -> render.JobSpec:
     """The single-run spec of the first point, made an array over all of them (they share the [slurm] section:
-    a sweep cannot vary slurm.* keys), its logs and records in the sweep dir."""
+    a sweep cannot vary slurm.* keys), its logs and records in the sweep dir; a script's points each with their own
+    arguments (their settings are copied from the sweep dir by the job)."""
     first = configs[plan.points[0].name]
-    spec = job.job_spec(first)
+    spec = job.job_spec(first, nproc_per_node=nproc_per_node)
     array = render.ArraySpec(sweep_dir=str(plan.sweep_dir), points=tuple(p.name for p in plan.points),
                              max_parallel=max_parallel, indices=indices)
     name = first.slurm.job_name or f"sweep-{plan.sweep_dir.name}"
-    return dataclasses.replace(spec, job_name=name, run_dir=str(plan.sweep_dir), config_toml="", array=array)
+    script = spec.script and dataclasses.replace(
+        spec.script, point_args=tuple(plan.script_args_of(p) for p in plan.points))
+    return dataclasses.replace(spec, job_name=name, run_dir=str(plan.sweep_dir), config_toml="", array=array,
+                               script=script)

@@ -1,4 +1,5 @@
-"""A sweep's grid: axes from `--grid KEY=V1,V2,...`, their points in a fixed order, and readable point names.
+"""A sweep's grid: axes from `--grid KEY=V1,V2,...`, their points in a fixed order, and readable point names; in a
+script's sweep, the axes that are the script's arguments (a KEY without a dot) and each point's arguments.
 
 Pure functions (tested alone): nothing here resolves a config or touches a file.
 """
@@ -40,7 +41,28 @@ class Point:
 
     @property
     def overrides(self) -> tuple[str, ...]:
-        return tuple(f"{k}={v}" for k, v in self.settings)
+        """The point's hpctrain settings as key=value (a script's arguments left out)."""
+        return tuple(f"{k}={v}" for k, v in self.settings if not is_script_axis(k))
+
+
+def is_script_axis(key: str) -> bool:
+    """An axis over a script's argument: a KEY without a dot (hpctrain's keys are section.key)."""
+    return "." not in key
+
+
+def script_args_of(base: tuple[str, ...], settings: tuple[tuple[str, str], ...]) -> tuple[str, ...]:
+    """A point's arguments for the script: ``base`` (those after --), with each script axis KEY=VALUE either put
+    where ``base`` holds {KEY}, or appended as --KEY VALUE (a KEY that starts with '-' as it is: -l VALUE)."""
+    args = list(base)
+    for key, value in settings:
+        if not is_script_axis(key):
+            continue
+        slot = "{" + key.lstrip("-") + "}"
+        if any(slot in a for a in args):
+            args = [a.replace(slot, value) for a in args]
+        else:
+            args += [key if key.startswith("-") else f"--{key}", value]
+    return tuple(args)
 
 
 def parse_axis(text: str) -> Axis:
@@ -108,8 +130,8 @@ def grid_points(axes: list[Axis], allow_large: bool = False) -> list[Point]:
 
 def _labels(keys: list[str]) -> dict[str, str]:
     """A key's last part (optim.lr -> lr), or the whole key where two axes share a last part."""
-    last = [k.rsplit(".", 1)[-1] for k in keys]
-    return {k: (l if last.count(l) == 1 else k) for k, l in zip(keys, last)}
+    last = [k.rsplit(".", 1)[-1].lstrip("-") for k in keys]
+    return {k: (l if last.count(l) == 1 else k.lstrip("-")) for k, l in zip(keys, last)}
 
 
 def _safe(value: str) -> str:

@@ -9,9 +9,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpctrain.metrics.records import metric_values, read_metrics
+from hpctrain.config.target import is_script
 from hpctrain.monitor.report import summary_html
-from hpctrain.sweep.status import PointStatus, collect_status, point_error
+from hpctrain.sweep.metric import MetricSource, metric_source
+from hpctrain.sweep.status import PointStatus, collect_status, point_curve, point_error
 from hpctrain.sweep.spec import SweepSpec, read_plan
 
 
@@ -30,14 +31,15 @@ class PointResult:
     """(step, main metric) of every validation."""
 
 
-def point_results(plan: SweepSpec, main: str, higher: bool, statuses: list[PointStatus]) -> list[PointResult]:
+def point_results(plan: SweepSpec, main: str, higher: bool, statuses: list[PointStatus],
+                  source: MetricSource | None = None) -> list[PointResult]:
+    """Each point's curve of the ``main`` metric, its final and best value; ``source``: where the metric comes from
+    (default: validation records of ``main``)."""
+    source = source or MetricSource(name=main, higher_is_better=higher)
     out = []
     for point, status in zip(plan.points, statuses, strict=True):
-        path = plan.run_dir(point) / "metrics.jsonl"
-        records = read_metrics(path) if path.exists() else []
-        curve = tuple((r["step"], metric_values(r)[main]) for r in records
-                      if r["split"] == "val" and main in metric_values(r))
-        best = (max if higher else min)(curve, key=lambda sv: sv[1]) if curve else None
+        curve = tuple(point_curve(plan, point, source))
+        best = (max if source.higher_is_better else min)(curve, key=lambda sv: sv[1]) if curve else None
         error = point_error(plan, point.name) if status.state == "failed" else ""
         out.append(PointResult(point.name, point.settings, status.state, status.step,
                                curve[-1][1] if curve else None, best[1] if best else None,
@@ -61,9 +63,10 @@ def sweep_table(plan: SweepSpec, results: list[PointResult], main: str, higher: 
     """The comparison as Markdown (a pure function of its inputs: golden-tested)."""
     keys = [a.key for a in plan.axes]
     goal = "higher is better" if higher else "lower is better"
+    what = "final" if is_script(plan.experiment) else "final validation"
     lines = [f"# Sweep report: {plan.sweep_dir.name}", "",
              f"Sweep dir: `{plan.sweep_dir}`; experiment {plan.experiment}; {len(results)} point(s); "
-             f"ranked by the final validation {main} ({goal}).", "",
+             f"ranked by the {what} {main} ({goal}).", "",
              "| rank | point | " + " | ".join(keys) + f" | final {main} | best {main} (step) | steps | state |",
              "|---:|---|" + "---|" * len(keys) + "---:|---:|---:|---|"]
     order = ranked(results, higher)
@@ -99,7 +102,8 @@ def plot_curves(plan: SweepSpec, results: list[PointResult], main: str, out: Pat
                 continue
             label = ", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in r.settings if value is None or k != first.key)
             ax.plot([s for s, _ in r.curve], [m for _, m in r.curve], marker="o", markersize=3, label=label)
-        ax.set_title(f"{first.key}={value}" if value is not None else f"validation {main}, every point")
+        kind = "" if is_script(plan.experiment) else "validation "
+        ax.set_title(f"{first.key}={value}" if value is not None else f"{kind}{main}, every point")
         ax.set_xlabel("step")
         ax.set_ylabel(main)
         ax.grid(alpha=0.3)
@@ -112,12 +116,10 @@ def plot_curves(plan: SweepSpec, results: list[PointResult], main: str, out: Pat
 
 
 def write_sweep_report(sweep_dir: Path) -> Path:
-    from hpctrain.experiments import resolve_experiment
-
     plan = read_plan(sweep_dir)
-    cls = resolve_experiment(plan.experiment)
-    main, higher = cls.main_metric, cls.higher_is_better
-    results = point_results(plan, main, higher, collect_status(plan))
+    source = metric_source(plan)
+    main, higher = source.name, source.higher_is_better
+    results = point_results(plan, main, higher, collect_status(plan), source)
     out = plan.sweep_dir / "report"
     out.mkdir(exist_ok=True)
     pictures = [plot_curves(plan, results, main, out / "curves.png").name]

@@ -11,10 +11,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpctrain.config.target import is_script
 from hpctrain.errors import UserError
-from hpctrain.metrics.records import metric_values, read_metrics
-from hpctrain.slurm import job
+from hpctrain.metrics.records import read_metrics
+from hpctrain.slurm import exits, job
 from hpctrain.slurm.progress import latest_step
+from hpctrain.sweep.grid import Point
+from hpctrain.sweep.metric import MetricSource, curve_from_log, curve_from_records, metric_source
 from hpctrain.sweep.spec import SweepSpec
 
 STATUS_DIR = "status"
@@ -29,28 +32,41 @@ class PointStatus:
     not run, or unknown. Every state but done is unfinished: the same submit command runs the point again."""
     step: int | None
     metric: tuple[str, float] | None
-    """The latest validation value of the experiment's main metric."""
+    """The latest validation value of the experiment's main metric (a script's: of the metric its sweep names)."""
     detail: str = ""
 
 
 def collect_status(plan: SweepSpec) -> list[PointStatus]:
-    from hpctrain.experiments import resolve_experiment
-
-    main = resolve_experiment(plan.experiment).main_metric
+    source = metric_source(plan)
     slurm_states = _array_states(plan)
     out = []
     for p in plan.points:
         records = _records(plan.run_dir(p))
-        val = [r for r in records if r["split"] == "val" and main in metric_values(r)]
+        curve = point_curve(plan, p, source, records)
         state, detail = slurm_states.get(p.index) or _local_state(plan, p.name)
-        out.append(PointStatus(p.name, state, latest_step(records),
-                               (main, metric_values(val[-1])[main]) if val else None, detail))
+        step = latest_step(records)
+        if step is None and curve and source.line:  # a script that logs no records: its metric's last step
+            step = curve[-1][0]
+        out.append(PointStatus(p.name, state, step, (source.name, curve[-1][1]) if curve else None, detail))
     return out
 
 
+def point_curve(plan: SweepSpec, point: Point, source: MetricSource,
+                records: list[dict] | None = None) -> list[tuple[int, float]]:
+    """(step, value) of the point's metric: from its metrics.jsonl, or from its logs (--metric-line: the logs of
+    the array tasks that ran it, then its local run's)."""
+    if source.line:
+        logs = [log for array_id in job.recorded_jobs(plan.sweep_dir) for log in _task_logs(plan, array_id, point.index)]
+        local = plan.sweep_dir / "logs" / f"local_{point.name}.out"
+        text = "".join(p.read_text(errors="replace") for p in (*logs, *([local] if local.exists() else [])))
+        return curve_from_log(text, source.line)
+    return curve_from_records(_records(plan.run_dir(point)) if records is None else records, source)
+
+
 def status_text(plan: SweepSpec, points: list[PointStatus]) -> str:
+    latest = "latest validation" if not is_script(plan.experiment) else "latest metric"
     lines = [f"sweep {plan.sweep_dir}: {plan.experiment}, {len(points)} point(s)",
-             "| point | state | step | latest validation | |", "|---|---|---:|---|---|"]
+             f"| point | state | step | {latest} | |", "|---|---|---:|---|---|"]
     for s in points:
         metric = f"{s.metric[0]} {s.metric[1]:.4g}" if s.metric else "-"
         lines.append(f"| {s.name} | {s.state} | {'-' if s.step is None else s.step} | {metric} | {s.detail} |")
@@ -65,8 +81,9 @@ def point_error(plan: SweepSpec, name: str) -> str:
     file)."""
     index = next(p.index for p in plan.points if p.name == name)
     array_id = array_owners(plan).get(index)
-    if array_id is not None:
-        return _state_from_log(plan, array_id, index)[1]
+    if array_id is not None:  # a script's point: the failing rank, host and error line its nodes recorded
+        recorded = exits.failure_line(exits.latest_records(plan.sweep_dir / name, f"{array_id}_{index}"))
+        return recorded or _state_from_log(plan, array_id, index)[1]
     state, detail = _local_state(plan, name)
     return detail if state == "failed" else ""
 

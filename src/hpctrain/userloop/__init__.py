@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from hpctrain.config.load import config_to_toml, load_config
-from hpctrain.config.schema import SCRIPT_PREFIX, NoModelOptions, RunConfig
+from hpctrain.config.schema import NoModelOptions, RunConfig
+from hpctrain.config.target import SCRIPT_PREFIX
 from hpctrain.errors import UserError
 from hpctrain.userloop.core import Steps, TrainingSession
 from hpctrain.userloop.step import Step
