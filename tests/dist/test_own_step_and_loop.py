@@ -1,6 +1,6 @@
 """Bring your own training, levels 2 and 3 (issue 40) with real processes: a small GAN (batch norm in both models,
 two Adam optimizers, an EMA of the generator; tests/gan_experiment.py) as a StepExperiment under `hpctrain train`
-and as a loop of its own under hpctrain.session (tests/gan_loop.py, run by hpctrain's launcher like torchrun).
+and as a loop of its own under hpctrain.session (tests/gan_loop.py, run by `hpctrain train gan_loop.py`).
 
 1 x 4, 2 x 2 and 4 x 1 processes x accumulation give the same losses; a SIGTERM to one rank mid-epoch gives one
 checkpoint and exit 75, and the resume equals the uninterrupted run (losses, parameters, EMA); the same under fsdp;
@@ -12,9 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import (
-    TESTS, checkpoint_tensors, latest_checkpoint, read_jsonl, run_hpctrain, run_module, same_params,
-)
+from tests.conftest import TESTS, checkpoint_tensors, latest_checkpoint, read_jsonl, run_hpctrain, same_params
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
@@ -29,9 +27,9 @@ def level2(run_dir: Path, nproc: int, *extra: str, fault: str = "", expect: int 
 
 
 def level3(run_dir: Path, nproc: int, *extra: str, fault: str = "", expect: int = 0):
-    result = run_module("hpctrain.launch", ["--standalone", f"--nproc-per-node={nproc}", str(TESTS / "gan_loop.py"),
-                                            f"run.dir={run_dir}", *extra], 200,
-                        env={"HPCTRAIN_FAULT": fault} if fault else None)
+    """The loop as `hpctrain train gan_loop.py` runs it: its settings reach the session through HPCTRAIN_SETTINGS."""
+    result = run_hpctrain(["train", str(TESTS / "gan_loop.py"), f"--nproc-per-node={nproc}", f"run.dir={run_dir}",
+                           *extra], 200, env={"HPCTRAIN_FAULT": fault} if fault else None)
     assert result.returncode == expect, result.output
     return result
 

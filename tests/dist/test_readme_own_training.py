@@ -56,7 +56,7 @@ def test_every_example_of_bring_your_own_training_runs_as_printed(tmp_path: Path
     commands = examples(tmp_path)
     assert [c[:3] for c in commands] == [["hpctrain", "train", "myadafactor:MyAdafactor"],
                                          ["hpctrain", "train", "mygan:MyGAN"],
-                                         ["torchrun", "--nproc-per-node", "2"],
+                                         ["hpctrain", "train", "myloop.py"],
                                          ["hpctrain", "check", "resume"]]
     results = [run(command, tmp_path) for command in commands]
     adafactor = [r for r in read_jsonl(tmp_path / "runs" / "myadafactor_MyAdafactor" / "metrics.jsonl")

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TESTS, run_hpctrain, run_module
+from tests.conftest import TESTS, run_hpctrain
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
@@ -49,8 +49,7 @@ def test_bad_use_in_a_script_is_a_message_and_exit_2(tmp_path: Path):
     script = tmp_path / "bad.py"
     script.write_text("import hpctrain\nwith hpctrain.session({'log.tensorboard': False}) as run:\n"
                       "    run.register(counter=object())\n")
-    result = run_module("hpctrain.launch", ["--standalone", "--nproc-per-node=1", str(script),
-                                            f"run.dir={tmp_path / 'run'}"], 120, cwd=tmp_path)
+    result = run_hpctrain(["train", str(script), f"run.dir={tmp_path / 'run'}"], 120, cwd=tmp_path)
     assert result.returncode != 0
     assert "hpctrain: error: run.register: 'counter' (object) has no state_dict" in result.stderr
     assert "HINT:" in result.stderr and "Traceback" not in result.stderr
@@ -62,7 +61,7 @@ def test_a_loop_that_raises_on_one_rank_ends_the_run_within_seconds(tmp_path: Pa
         "        step.optimizer_step()",
         "        step.optimizer_step()\n        if run.rank == 1 and step.index == 2:\n"
         "            raise ValueError('rank 1 cannot go on')"))
-    result = run_module("hpctrain.launch", ["--standalone", "--nproc-per-node=2", str(script),
-                                            f"run.dir={tmp_path / 'run'}", "train.max_steps=50"], 90)
+    result = run_hpctrain(["train", str(script), "--nproc-per-node=2", f"run.dir={tmp_path / 'run'}",
+                           "train.max_steps=50"], 90)
     assert result.returncode != 0
     assert "rank 1 cannot go on" in result.output

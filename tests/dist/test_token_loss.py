@@ -61,8 +61,9 @@ def test_a_step_and_a_loop_of_ones_own_give_the_same_exact_token_losses(tmp_path
         assert same(train(tmp_path / f"step{micro}{nproc}", "TokenStep", micro, nproc), reference), (micro, nproc)
     for micro, nproc in ((2, 2), (4, 1)):
         run_dir = tmp_path / f"loop{micro}{nproc}"
-        result = run_module("hpctrain.launch", ["--standalone", f"--nproc-per-node={nproc}",
-                                                str(TESTS / "token_loop.py"), f"train.micro_batch_size={micro}",
-                                                f"run.dir={run_dir}"], 150)
+        # under plain torchrun: the script's own key=value arguments are the session's overrides
+        result = run_module("torch.distributed.run", ["--standalone", f"--nproc-per-node={nproc}",
+                                                      str(TESTS / "token_loop.py"), f"train.micro_batch_size={micro}",
+                                                      f"run.dir={run_dir}"], 150)
         assert result.returncode == 0, result.output
         assert same(records(run_dir), reference), (micro, nproc)

@@ -141,3 +141,31 @@ def test_a_sweep_over_a_script_argument_is_one_array_with_status_and_report(clus
     assert status.returncode == 0 and status.stdout.count("| done | 2 | loss ") == 2, status.output
     report = run_hpctrain(["report", str(sweep)], env=env)
     assert report.returncode == 0 and "**best**" in report.stdout, report.output
+
+
+def test_a_loop_under_hpctrain_session_is_preempted_requeued_and_resumes_as_uninterrupted(cluster, work, tmp_path):
+    """Issue 40, level 3 on Slurm: tests/gan_loop.py submitted as a script on 2 nodes x 1 process; a preemption
+    signal reaching rank 1 (HPCTRAIN_FAULT) stops both at one step with a checkpoint and exit 75, the job's launcher
+    requeues it once, and the resumed loop's losses equal an uninterrupted local run's."""
+    for name in ("gan_loop.py", "gan_experiment.py"):
+        shutil.copy(TESTS / name, work / name)
+    run_dir, env = work / "session", {"SLURM_CONF": str(cluster.conf)}
+    fault = "slurm.env=[\"HPCTRAIN_FAULT=signal:rank=1:step=3:signal=SIGUSR2\"]"
+    res = run_hpctrain(["slurm", "submit", "--script", "gan_loop.py", "--nproc-per-node", "1", f"run.dir={run_dir}",
+                        *SHAPE, fault], env=env, cwd=work, timeout=60)
+    assert res.returncode == 0, res.output
+    fields = cluster.wait_job(res.stdout.strip().splitlines()[-1], ENDED, timeout=180)
+    log = job_log(run_dir)
+    assert fields["JobState"] == "COMPLETED" and int(fields["Restarts"]) == 1, f"{fields}\n{log}"
+    assert "stopped by SIGUSR2 at step 5 with a checkpoint" in log and "resumed from" in log
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["split"] == "stop"] == [5]
+    local = run_hpctrain(["train", "gan_loop.py", "--nproc-per-node", "2", f"run.dir={tmp_path / 'local'}"],
+                         cwd=work, timeout=120)
+    assert local.returncode == 0, local.output
+
+    def losses(folder: Path) -> dict:
+        rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: (r["loss_d"], r["loss_g"]) for r in rows if r["split"] == "train"}
+
+    assert losses(run_dir) == losses(tmp_path / "local") and sorted(losses(run_dir)) == list(range(1, 13))
