@@ -79,7 +79,7 @@ def test_unreadable_sample_stops_with_its_name_or_is_counted(tmp_path: Path, sha
     batches = ("train.global_batch_size=20", "train.micro_batch_size=5", "train.max_steps=10")
     stop = train(tmp_path / "stop", broken, 2, 1, *batches)
     assert stop.returncode == 2, stop.output
-    assert f"sample '{key}' of shard" in stop.stderr and "cannot decode .png (RuntimeError: Unsupported image" in stop.stderr
+    assert f"sample '{key}' of shard" in stop.stderr and "cannot decode .png (" in stop.stderr  # the decoder's words
     assert "failed first, exit code 2: DataError: sample" in stop.stderr  # the launcher's summary names it too
     # The failing rank shows a message, no traceback (the peer's "Connection closed by peer" is its consequence).
     assert "shardset.py" not in stop.stderr and "Original Traceback" not in stop.stderr

@@ -1,7 +1,7 @@
 """The experiment trackers' pure parts and their sink with a stand-in client (no process, no network): the config
 as parameters, which records a launch sends and when (the hold-back to the committed checkpoint, the catch-up from
 metrics.jsonl, the marked rewind), a tracker that raises or hangs, the refusal of a missing package, the sweep's
-grouping. tests/dist/test_trackers.py runs the real wandb and mlflow packages."""
+grouping. tests/dist/test_trackers_train.py runs the real wandb and mlflow packages."""
 
 from __future__ import annotations
 
