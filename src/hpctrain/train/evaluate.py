@@ -36,7 +36,7 @@ def evaluate(
     ``on_batch`` is called before each batch: the loop's heartbeat, so a long validation is progress, not a hang.
     Each batch's BatchInfo carries the validation-set position of its first sample (from the loader's batch
     sampler), so per-sample draws do not depend on the world size."""
-    was_training = model.training
+    modes = [(m, m.training) for m in model.modules()]  # each one's: a frozen teacher stays in eval afterwards
     model.eval()
     totals: dict[str, torch.Tensor] = {}
     size = len(getattr(loader, "dataset", ()) or ()) if loader is not None else 0
@@ -50,11 +50,12 @@ def evaluate(
         if start < 0:  # a padding batch (fsdp): its forward was for the other ranks' collectives, its numbers are not
             continue
         for key, value in stats.items():
-            value = value.detach().double()
+            value = torch.as_tensor(value).detach().double()  # a count may come as a plain int
             if key in totals and totals[key].shape != value.shape:
                 raise _shape_error(key, tuple(value.shape), tuple(totals[key].shape), runtime.rank)
             totals[key] = totals[key] + value if key in totals else value
-    model.train(was_training)
+    for module, training in modes:
+        module.training = training
     reshard(model)  # fsdp_reshard_after_forward=false: no backward follows to reshard the gathered parameters
     sums = all_reduce_tensors(_with_zeros_for_missing(totals, runtime), runtime)
     return experiment.metrics({k: float(v) if v.ndim == 0 else v for k, v in sums.items()})

@@ -34,7 +34,8 @@ def evaluate_over(run: "TrainingSession", stats: Callable[..., dict[str, Any]], 
                                                              collate_fn=collate_fn)
     models = run.objects.container()
     broadcast_buffers(models, run.runtime)  # rank 0's batch-norm statistics on every rank, as in validation
-    step = run.ctx.state.step if run.ctx is not None else 0
+    # Numbered as the train records: the steps done. Inside a step (where step.eval_due says so) that step counts.
+    step = 0 if run.ctx is None else run.ctx.state.step + (run.current is not None)
     result = evaluate_sums(_Sums(stats, metrics), models, loader, run.runtime, run.precision,
                            run.cfg.train.channels_last_on, on_batch=lambda: run.fault.heartbeat.mark("eval"),
                            seed=run.cfg.run.seed, step=step)

@@ -66,8 +66,10 @@ def _train(run: TrainingSession, experiment: StepExperiment) -> None:
         if schedule is not None:
             run.register(**{name: schedule})
     steps = run.steps(data.train, collate_fn=data.collate_fn, transform=data.train_transform, val=data.val)
-    for model in wrapped.values():
-        model.train()  # once: validation puts the mode back
+    for name, model in wrapped.items():
+        if run.objects.models[name].trainable:
+            model.train()  # once, the models an optimizer steps (a frozen teacher stays as built); validation puts
+            # each module's mode back
     for step in steps:
         experiment.train_step(step)
 
