@@ -18,6 +18,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from hpctrain.checkpoint.state_dicts import local_optimizer
 from hpctrain.dist.env import resume_record_dir
 
 
@@ -93,6 +94,9 @@ def parameter_hashes(stateful: Mapping[str, Any]) -> dict[str, str]:
 def _state(obj: Any) -> Any:
     if hasattr(obj, "n_averaged") and hasattr(obj, "module"):  # an EMA copy: its weights and its count
         return {"module": obj.module.state_dict(), "n_averaged": int(obj.n_averaged)}
+    if isinstance(obj, torch.optim.Optimizer):
+        # ZeRO's state_dict is a collective consolidation onto one rank; this rank's partition is what it holds.
+        return local_optimizer(obj).state_dict()
     return obj.state_dict()
 
 
