@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpctrain.dist.collectives import barrier
-from hpctrain.dist.env import requeue_id, session_settings
+from hpctrain.config.target import is_script
+from hpctrain.dist.env import requeue_id, script_step
 from hpctrain.fault.alerts import Alerter
 from hpctrain.fault.heartbeat import Watchdog
 from hpctrain.fault.requeue import requeue_slurm_job
@@ -77,8 +78,9 @@ def _stopped(ctx: TrainContext, alerter: Alerter, result: loop.LoopResult) -> Ou
         alerter.send("requeue", last_step=ctx.state.step, exit_code=f.exit_code,
                      detail=f"stopped by {signal_name(result.stop_signal)}", log_tail=recent_log_lines())
     barrier(rt)  # every rank is past its save before the job can be requeued (which kills it)
-    # A script hpctrain launched (its settings file set) is requeued by the job's launcher, on its exit code.
-    if rt.is_main and f.requeue and rt.job_id and not session_settings():
+    # A script job hpctrain rendered is requeued by its batch shell, on its exit code (the launchers record the ranks'
+    # exits there); everything else requeues itself here.
+    if rt.is_main and f.requeue and rt.job_id and not (is_script(ctx.cfg.experiment) and script_step().exits_dir):
         requeue_slurm_job(requeue_id())  # a sweep's array task: its own ARRAY_TASK id, never the array's
     return Outcome(f.exit_code, result.val)
 

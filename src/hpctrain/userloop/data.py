@@ -9,8 +9,8 @@ is the next item it yields on this rank. hpctrain cannot know its order, so the 
 said at the start: at each epoch it calls the sampler's ``set_epoch(epoch)`` where there is one (torch's
 DistributedSampler), and a resume skips the micro-batches of the epoch already trained, which lands on the same
 samples only when the order depends on the epoch alone (DistributedSampler with set_epoch at one world size: yes;
-``shuffle=True``, drawn from the global RNG when iterated: no). An iterable with ``state_dict`` and
-``load_state_dict`` (torchdata's StatefulDataLoader) is restored from the checkpoint instead, without skipping.
+``shuffle=True``, drawn from the global RNG when iterated: no). A loader's own state_dict (torchdata's
+StatefulDataLoader) is not used: it is each rank's, and a registered object's state is rank 0's.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import logging
 from typing import Any, Iterable, Iterator
 
 from hpctrain.config.batch import BatchSizes
-from hpctrain.userloop.objects import misuse
+from hpctrain.userloop.objects import local_misuse, misuse
 
 log = logging.getLogger("hpctrain")
 
@@ -31,10 +31,6 @@ def is_map_style(data: Any) -> bool:
 
     return (hasattr(data, "__getitem__") and hasattr(data, "__len__")
             and not isinstance(data, (DataLoader, IterableDataset)))
-
-
-def stateful(data: Any) -> bool:
-    return all(callable(getattr(data, name, None)) for name in ("state_dict", "load_state_dict"))
 
 
 class OwnOrder:
@@ -54,12 +50,10 @@ class OwnOrder:
             micro_batches = max_steps * plan.grad_accum
         self.steps_per_epoch = micro_batches // plan.grad_accum
         if self.steps_per_epoch == 0:
-            raise misuse(f"run.steps: the data yields {micro_batches} micro-batch(es) per epoch on this rank, fewer "
-                         f"than one step's {plan.grad_accum}", "give more data, or a larger train.micro_batch_size "
-                         "for the same global batch (fewer accumulation steps).")
+            raise local_misuse(f"run.steps: the data yields {micro_batches} micro-batch(es) per epoch on this rank, "
+                               f"fewer than one step's {plan.grad_accum}", "give more data, or a larger "
+                               "train.micro_batch_size for the same global batch (fewer accumulation steps).")
         self.epoch = self.start_step = 0
-        self.restored = False
-        """Its own state came back from the checkpoint (a stateful iterable): nothing to skip."""
 
     def set_position(self, epoch: int, step_in_epoch: int) -> None:
         self.epoch, self.start_step = epoch, step_in_epoch
@@ -71,6 +65,10 @@ class OwnLoader:
     def __init__(self, order: OwnOrder) -> None:
         self.order = order
 
+    def take_skipped(self) -> list[str]:
+        """No samples skipped that hpctrain knows of (data.on_error=skip is the loader's; this is the user's)."""
+        return []
+
     def __iter__(self) -> Iterator[Any]:
         order, data = self.order, self.order.data
         for owner in (data, getattr(data, "sampler", None), getattr(data, "batch_sampler", None),
@@ -78,8 +76,7 @@ class OwnLoader:
             if callable(getattr(owner, "set_epoch", None)):
                 owner.set_epoch(order.epoch)
                 break
-        skip = 0 if order.restored else order.start_step * order.batches.grad_accum
-        order.restored = False
+        skip = order.start_step * order.batches.grad_accum
         if skip:
             log.warning("resuming a loop over its own data (%s): skipping the %d micro-batches of epoch %d already "
                         "trained; the same samples only if its order depends on the epoch alone",
@@ -91,6 +88,6 @@ class OwnLoader:
 def own_data_warning(data: Iterable) -> str:
     """The start-up line for a user's own data: which guarantees do not hold."""
     return (f"run.steps over a {type(data).__name__} of its own: its order is the iterable's (not world-size "
-            "independent), and a resume " + ("restores its state_dict" if stateful(data) else
-                                             "skips the epoch's trained micro-batches") +
-            "; a map-style data set gets hpctrain's exact order (docs/bring-your-own.md)")
+            "independent), and a resume skips the epoch's trained micro-batches, which are the same samples only "
+            "if its order depends on the epoch alone; a map-style data set gets hpctrain's exact order "
+            "(docs/bring-your-own.md)")

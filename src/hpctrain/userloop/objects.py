@@ -23,8 +23,15 @@ SCHEDULER_TYPES: tuple[type, ...] = (torch.optim.lr_scheduler.LRScheduler, torch
 
 
 def misuse(message: str, hint: str) -> UserError:
-    """Bad use of the session API: the same code runs on every rank, so every rank raises it alike."""
+    """Bad use of the session API that the program's structure decides (the same code runs on every rank), so every
+    rank raises it alike and they may meet to leave the process group."""
     return on_every_rank(UserError(message, hint))
+
+
+def local_misuse(message: str, hint: str) -> UserError:
+    """Bad use that this rank's data decides (its length, a value's shape): maybe raised by this rank alone, so it
+    must not wait for the others on its way out."""
+    return UserError(message, hint)
 
 
 @dataclass
