@@ -168,3 +168,95 @@ def test_metrics_from_sums_divide_each_sum_by_the_count():
 
 def test_a_script_run_dir_is_named_after_the_script():
     assert RunConfig(experiment="script:jobs/vocoder.py").run_dir == "runs/vocoder"
+
+
+def _two_models(run):
+    g, d = run.wrap(nn.Linear(3, 3)), run.wrap(nn.Linear(3, 1))
+    run.register(g=g, d=d, opt_g=torch.optim.SGD(g.parameters(), lr=0.1), opt_d=torch.optim.SGD(d.parameters(), lr=0.1))
+    return g, d
+
+
+def test_gradients_only_optimizer_step_can_finish_need_it(tmp_path: Path):
+    """A (sum, count) loss awaits the global count, an fp16 loss is scaled: a plain opt.step() would step on wrong
+    gradients, so the step ends with a message; so does a step before the pass's last (syncing) micro-batch."""
+    def own_step_after_token_loss(run):
+        model = run.wrap(nn.Linear(3, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        run.register(model=model, opt=opt)
+        for step in run.steps(_data()):
+            for (x, y), _ in step.micro_batches():
+                step.backward((nn.functional.mse_loss(model(x), y, reduction="sum"), len(x)))
+            opt.step()
+
+    _misuse(tmp_path, own_step_after_token_loss, "optimizer 'opt' got a (sum, count) loss in step 0",
+            "step.optimizer_step('opt')")
+
+    def early(run):
+        model = run.wrap(nn.Linear(3, 1))
+        run.register(model=model, opt=torch.optim.SGD(model.parameters(), lr=0.1))
+        for step in run.steps(_data()):
+            for (x, y), _ in step.micro_batches():
+                step.backward(nn.functional.mse_loss(model(x), y))
+                step.optimizer_step()
+
+    _misuse(tmp_path / "b", early, "after 1 of the step's 2 micro-batches")
+
+
+def test_fp16_losses_go_through_their_own_optimizers_pass(tmp_path: Path):
+    """With a loss scaler per optimizer, a loss for 'opt_g' outside its pass would reach d's gradients scaled by
+    g's scaler (and be unscaled by d's). GradScaler runs on the CPU, so fp16's scaling is exercised here."""
+    from hpctrain.train.precision import Precision
+
+    def outside(run):
+        run.precision = Precision("fp16", None, "cpu")
+        g, d = _two_models(run)
+        for step in run.steps(_data()):
+            for (x, y), _ in step.micro_batches():
+                step.backward(nn.functional.mse_loss(d(g(x)), y), "opt_g")
+
+    _misuse(tmp_path, outside, "fp16 for optimizer 'opt_g' in a pass for every optimizer", "micro_batches('opt_g')")
+
+    def unnamed(run):
+        run.precision = Precision("fp16", None, "cpu")
+        g, d = _two_models(run)
+        for step in run.steps(_data()):
+            for (x, y), _ in step.micro_batches():
+                step.backward(nn.functional.mse_loss(d(g(x)), y))
+
+    _misuse(tmp_path / "b", unnamed, "several optimizers and no pass named")
+
+    run = _session(tmp_path / "c")  # each pass through its own scaler: trains, scalers checkpointed by name
+    run.precision = Precision("fp16", None, "cpu")
+    with run.opened():
+        g, d = _two_models(run)
+        for step in run.steps(_data()):
+            for name, loss_of in (("opt_d", lambda x, y: nn.functional.mse_loss(d(g(x).detach()), y)),
+                                  ("opt_g", lambda x, y: -d(g(x)).mean())):
+                for (x, y), _ in step.micro_batches(name):
+                    step.backward(loss_of(x, y))
+                step.optimizer_step(name)
+    assert run.exit_code == 0 and all(s.is_enabled() for s in run.objects.scalers.values())
+
+
+def test_evaluate_puts_back_each_models_own_mode(tmp_path: Path):
+    """A frozen teacher in eval stays in eval after validation while the student goes back to training; a
+    record made inside a step is numbered as that step's train record (the steps done)."""
+    run = _session(tmp_path)
+    with run.opened():
+        student = run.wrap(nn.Sequential(nn.Linear(3, 1), nn.Dropout(0.1)))
+        teacher = run.wrap(nn.Linear(3, 1).requires_grad_(False).eval())
+        run.register(student=student, teacher=teacher, opt=torch.optim.SGD(student.parameters(), lr=0.1))
+        student.train()
+        for step in run.steps(_data()):
+            for (x, y), _ in step.micro_batches():
+                step.backward(nn.functional.mse_loss(student(x) + teacher(x), y))
+            step.optimizer_step()
+            got = run.evaluate(lambda b: {"loss_sum": nn.functional.mse_loss(student(b[0]), b[1], reduction="sum"),
+                                          "count": len(b[0])}, _data())
+            assert got["loss"] > 0
+            assert student.training and all(m.training for m in student.modules())
+            assert not teacher.training
+    from tests.conftest import read_jsonl
+
+    val = [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["split"] == "val"]
+    assert val == [1, 2]

@@ -43,6 +43,13 @@ def run(args: argparse.Namespace) -> int:
     if args.nodes < 1 or args.gpus_per_node < 1:
         raise UserError(f"--nodes and --gpus-per-node must be at least 1, got {args.nodes} and {args.gpus_per_node}")
     cls, cfg = resolve_config(args.experiment, args.config_file, tuple(args.overrides))
+    from hpctrain.experiments.step_experiment import StepExperiment
+
+    if isinstance(cls, type) and issubclass(cls, StepExperiment):
+        raise UserError(f"hpctrain plan measures an Experiment's step (its train_loss); {cls.__name__} is a "
+                        "StepExperiment, whose train_step hpctrain cannot time on its own",
+                        "plan with an Experiment of the same model and batch, or time the run itself: hpctrain train "
+                        "on one device for a few steps, then hpctrain report RUN_DIR.")
     n = args.nodes * args.gpus_per_node
     batches = batch_sizes(cfg.train.global_batch_size, cfg.train.micro_batch_size, n)  # bad arithmetic: told now
     busbw, source = bandwidth(args.busbw, args.preflight, cfg.dist.bucket_cap_mb * 2**20)

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from hpctrain.checkpoint.manager import Checkpointer
 from hpctrain.config.batch import batch_sizes
@@ -35,8 +36,8 @@ from hpctrain.fault.inject import build_injector
 from hpctrain.fault.signals import StopSignals, stop_signal_names
 from hpctrain.fault.vote import StepVote
 from hpctrain.userloop.evaluation import evaluate_over
-from hpctrain.userloop.data import OwnLoader, OwnOrder, is_map_style, own_data_warning, stateful
-from hpctrain.userloop.objects import NamedObjects, Wrapped, misuse
+from hpctrain.userloop.data import OwnLoader, OwnOrder, is_map_style, own_data_warning
+from hpctrain.userloop.objects import NamedObjects, Wrapped, local_misuse, misuse
 from hpctrain.userloop.step import Step
 from hpctrain.train import loop
 from hpctrain.train.context import FaultState, TrainContext
@@ -74,6 +75,20 @@ class _Stepper:
         self.skips = SkipLedger()
 
 
+class _Scalers:
+    """The optimizers' loss scalers as one, for the skip ledger (train/skips.py): an fp16 step skipped while any
+    scaler is still at work is a loss-scale backoff, not divergence."""
+
+    def __init__(self, scalers: dict[str, torch.amp.GradScaler]) -> None:
+        self.scalers = scalers
+
+    def is_enabled(self) -> bool:
+        return any(s.is_enabled() for s in self.scalers.values())
+
+    def get_scale(self) -> float:
+        return min(s.get_scale() for s in self.scalers.values() if s.is_enabled())
+
+
 class TrainingSession:
     def __init__(self, cfg: RunConfig, runtime: Runtime, config_text: str, experiment: Experiment | None = None,
                  lock: Any = None) -> None:
@@ -107,6 +122,11 @@ class TrainingSession:
         self.eval_loaders: dict[int, Any] = {}
         """run.evaluate's loader of each validation set (by id), made at its first call."""
         self._owners: dict[str, set[str]] = {}
+        self.current: Step | None = None
+        """The step the user's loop is in (between its start and its close), or None."""
+        self.ratio_optimizers: set[str] = set()
+        """The optimizers that took a (sum, count) loss in some step: from then on every rank all-reduces their
+        count at each of their steps, whatever its own micro-batches gave."""
         seed_everything(cfg.run.seed)  # the same initial weights on every rank, as an Experiment's run has
 
     # -- the session's life ------------------------------------------------------------------------------------
@@ -191,8 +211,13 @@ class TrainingSession:
         self._usable("register")
         if self._steps is not None and self._steps.started:
             raise misuse("run.register after the loop started", "register everything before iterating run.steps.")
+        zero = self.cfg.dist.strategy == "zero1" and self.runtime.distributed
         for name, obj in objects.items():
             self.objects.register(name, obj, self.precision.build_scaler())
+            if zero and isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, ZeroRedundancyOptimizer) \
+                    and self.runtime.is_main:
+                log.warning("optimizer '%s' is registered as it is under dist.strategy=zero1: every rank holds its "
+                            "whole state; for ZeRO-1 register %s = run.wrap(%s)", name, name, name)
 
     def ema_model(self, model: nn.Module) -> nn.Module:
         """The EMA copy of a wrapped model (run.wrap(model, ema=...)): what to validate or sample with."""
@@ -237,11 +262,13 @@ class TrainingSession:
                              "apply them in your own DataLoader, or pass a map-style data set.")
             sampler = OwnOrder(data, plan, cfg.train.max_steps)
             loader = OwnLoader(sampler)
-            if stateful(data):
-                self.objects.register("data", data, self.precision.build_scaler())
+            self._same_epochs_everywhere(sampler.steps_per_epoch)
             if runtime.is_main:
                 log.warning("%s", own_data_warning(data))
         val_loader = None
+        if val is not None and self.experiment is None:
+            raise misuse("run.steps(val=...) in a loop of your own", "validate with run.evaluate(stats, val_set) "
+                         "where step.eval_due says so.")
         if val is not None:
             batch = cfg.eval.micro_batch_size or 2 * cfg.train.micro_batch_size
             val_loader = build_loader(val, EvalBatchSampler(len(val), batch, runtime.rank, runtime.world_size,
@@ -253,12 +280,24 @@ class TrainingSession:
             checkpointer.commit_allowed = self.lock.check
         return TrainContext(
             cfg=cfg, runtime=runtime, experiment=self.experiment, batches=plan, model=None, raw_model=None,
-            optimizer=None, scheduler=None, scaler=None, ema=None, precision=self.precision, sampler=sampler,
-            train_loader=loader, val_loader=val_loader,
+            optimizer=None, scheduler=None, scaler=_Scalers(self.objects.scalers), ema=None, precision=self.precision,
+            sampler=sampler, train_loader=loader, val_loader=val_loader,
             state=TrainState(global_batch_size=cfg.train.global_batch_size, data_order=cfg.data.order),
             total_steps=cfg.train.max_steps or cfg.train.epochs * sampler.steps_per_epoch,
             checkpointer=checkpointer, fault=self.fault, stepper=_Stepper(), objects=self.objects,
             recorder=self.recorder)
+
+    def _same_epochs_everywhere(self, steps_per_epoch: int) -> None:
+        """Collective: every rank's own data must give the same number of steps per epoch, or the ranks would end
+        their epochs, save and stop at different steps (one waiting in a collective the others never make)."""
+        from hpctrain.dist.collectives import all_reduce_max
+
+        spread = all_reduce_max({"most": float(steps_per_epoch), "fewest": -float(steps_per_epoch)}, self.runtime)
+        if spread["most"] != -spread["fewest"]:
+            raise misuse(f"run.steps: the ranks' own data give {int(-spread['fewest'])} to {int(spread['most'])} steps "
+                         f"per epoch (this rank: {steps_per_epoch})", "give every rank data of the same length (e.g. "
+                         "a DistributedSampler with drop_last=True), or a map-style data set, which hpctrain deals out "
+                         "itself.")
 
     def iterate(self) -> Iterator[Step]:
         """The loop of run.steps (train/loop.py's train(), with the step handed to the user)."""
@@ -269,8 +308,6 @@ class TrainingSession:
                         "run.register(name=scheduler)", kind, optimizer)
         self._owners = {name: set(self.objects.optimizer_models(name)) for name in self.objects.optimizers}
         start_run(ctx, self.config_text, "")
-        if isinstance(ctx.sampler, OwnOrder) and "data" in self.objects.others:
-            ctx.sampler.restored = ctx.state.step > 0
         self.window = window = loop.begin_window(ctx)
         last_val, val_step = loop.catch_up(ctx)
         while ctx.state.step < ctx.end_step:
@@ -280,7 +317,7 @@ class TrainingSession:
             epoch = ctx.state.epoch
             while ctx.state.step < ctx.end_step and ctx.state.epoch == epoch:
                 window.lrs = {name: base_lr(o) for name, o in self.objects.optimizers.items()}
-                step = Step(self, batches, ctx.state.step, epoch)
+                step = self.current = Step(self, batches, ctx.state.step, epoch)
                 ctx.fault.heartbeat.mark("step", ctx.state.step)
                 try:
                     yield step
@@ -291,6 +328,7 @@ class TrainingSession:
                                     "train.stop_at_step instead, which save)", ctx.state.step, ctx.end_step)
                     raise
                 step.close()
+                self.current = None
                 window.named_steps += 1
                 ctx.state.advance(ctx.batches.global_batch_size, ctx.sampler.steps_per_epoch)
                 if self.recorder:  # hpctrain check resume: the state after this step
@@ -310,8 +348,8 @@ class TrainingSession:
         try:
             batch = next(batches)
         except StopIteration:
-            raise misuse("the data ran out inside a step", "give run.steps data whose length does not change "
-                         "while it is iterated.") from None
+            raise local_misuse("the data ran out inside a step", "give run.steps data whose length does not "
+                               "change while it is iterated.") from None
         self.window.data_wait += time.perf_counter() - waited
         if self.recorder:
             self.recorder.saw(batch)

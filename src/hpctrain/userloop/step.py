@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 import torch.distributed as dist
 
-from hpctrain.dist.wrap import ddp_of, fsdp_of
+from hpctrain.dist.wrap import ddp_of, fsdp_of, reshard
 from hpctrain.experiments.base import BatchInfo
-from hpctrain.userloop.objects import misuse
+from hpctrain.userloop.objects import local_misuse, misuse
 from hpctrain.train.device import to_device
 from hpctrain.train.ema import ema_step
 from hpctrain.train.step import step_optimizer
@@ -110,9 +110,13 @@ class Step:
                              "give each optimizer's losses in one form within a step.")
             if token is not None:
                 self._counts[name] = self._counts.get(name, 0.0) + token[1]
+        if token is not None:
+            session.ratio_optimizers.update(names)
         accum = session.ctx.batches.grad_accum
         value = token[0] if token is not None else (loss / accum if accum > 1 else loss)
         scaler = session.objects.scalers[names[0]] if names else None
+        if scaler is not None and scaler.is_enabled():
+            self._check_own_scaler(names[0])
         session.ctx.fault.heartbeat.mark("backward")
         with torch.autocast(session.ctx.runtime.device.type, enabled=False):  # the backward as an Experiment's
             (scaler.scale(value) if scaler is not None else value).backward()
@@ -130,8 +134,15 @@ class Step:
             raise misuse(f"step.optimizer_step('{name}') twice in one step",
                          "step each optimizer once per step; for more updates, use more steps.")
         params = session.objects.optimizer_params(name)
-        if name in self._counts:
-            count = torch.as_tensor(self._counts[name], dtype=torch.float32, device=session.ctx.runtime.device)
+        if self._cache and len(self._cache) < session.ctx.batches.grad_accum:
+            raise misuse(f"step.optimizer_step('{name}') after {len(self._cache)} of the step's "
+                         f"{session.ctx.batches.grad_accum} micro-batches", "step the optimizer after the whole pass "
+                         "over step.micro_batches(): the gradients sync in its last micro-batch.")
+        if name in session.ratio_optimizers:
+            # Every rank, even one whose micro-batches gave this optimizer no (sum, count) this step: the count's
+            # all-reduce is a collective, so which ranks make it cannot depend on their data.
+            count = torch.as_tensor(self._counts.get(name, 0.0), dtype=torch.float32,
+                                    device=session.ctx.runtime.device)
             if session.ctx.runtime.distributed:
                 dist.all_reduce(count)
             scale_gradients(params, count, session.ctx.runtime.world_size)
@@ -177,12 +188,49 @@ class Step:
             self._micro_batch(micro)
         self._cache.clear()
         session = self._session
+        if session.cfg.dist.strategy == "fsdp":
+            for entry in session.objects.models.values():
+                reshard(entry.raw)  # a forward with no backward of its own (a switched-off model) may leave it gathered
         for name, entry in session.objects.models.items():
             if entry.ema is not None:
                 ema_step(entry.ema, entry.raw, self._model_skipped(name))
+        self._check_stepped()
         flags = list(self._skipped.values())
         if flags:
             session.note_skipped(self.index + 1, _any(flags))
+
+    def _check_stepped(self) -> None:
+        """An optimizer whose gradients only step.optimizer_step can finish (scaled by the fp16 loss scaler, or
+        sums awaiting the global count) must have been stepped by it."""
+        fp16 = self._session.precision.name == "fp16"
+        for name, kind in self._kinds.items():
+            if name not in self._skipped and (kind == "ratio" or fp16):
+                why = "a (sum, count) loss" if kind == "ratio" else "a loss scaled by its fp16 GradScaler"
+                raise misuse(f"optimizer '{name}' got {why} in step {self.index} but no step.optimizer_step('{name}')",
+                             f"call step.optimizer_step('{name}') instead of {name}.step(): it scales the gradients "
+                             "to the global count and unscales them; a plain opt.step() fits mean losses without fp16 "
+                             "only.")
+
+    def _check_own_scaler(self, name: str) -> None:
+        """fp16 with several optimizers: a loss through optimizer ``name``'s scaler must reach only its models'
+        gradients, or another optimizer's would be scaled by this scaler and unscaled by its own. Its pass
+        (step.micro_batches(name)) switches the other models off; a model split between two optimizers cannot be."""
+        session = self._session
+        optimizers = session.objects.optimizers
+        if len(optimizers) < 2:
+            return
+        if self._phase != name:
+            where = {None: "outside step.micro_batches", "": "in a pass for every optimizer"}.get(
+                self._phase, f"in the pass of optimizer '{self._phase}'")
+            raise misuse(f"step.backward under fp16 for optimizer '{name}' {where}",
+                         f"run this backward inside step.micro_batches('{name}'), which keeps the other optimizers' "
+                         "models out of it.")
+        mine = session.owners(name)
+        shared = sorted(m for other in optimizers if other != name for m in session.owners(other) & mine)
+        if shared:
+            raise misuse(f"step.backward under fp16: models {shared} are stepped by optimizer '{name}' and another, "
+                         "whose loss scalers differ", "step each model with one optimizer (param groups for "
+                         "different settings), or train in bf16.")
 
     def _model_skipped(self, model: str) -> Any:
         """Whether the optimizer stepping ``model`` skipped its step (False when none stepped it this step)."""
@@ -269,7 +317,7 @@ def _restore(params: list[torch.Tensor]) -> None:
 def _detached(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise misuse(f"step.log: a tensor of shape {list(value.shape)}", "log one number per name.")
+            raise local_misuse(f"step.log: a tensor of shape {list(value.shape)}", "log one number per name.")
         return value.detach().reshape(()).float()
     return float(value)
 
