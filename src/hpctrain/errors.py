@@ -38,6 +38,18 @@ def raised_on_every_rank(err: BaseException) -> bool:
     return bool(getattr(err, "on_every_rank", False))
 
 
+def agreed_on_every_rank(err: E) -> E:
+    """on_every_rank, and known to be: the verdict came out of a collective, so every rank holds this very error
+    and one rank (rank 0) may say it for all. An error the program's structure makes every rank raise alike
+    (misuse of an API) is not known to be: rank-dependent code may raise it on one rank only."""
+    err.agreed = True  # type: ignore[attr-defined]
+    return on_every_rank(err)
+
+
+def agreed(err: BaseException) -> bool:
+    return bool(getattr(err, "agreed", False))
+
+
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """' Did you mean X?' for the closest choice, or '' when none is close."""
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)

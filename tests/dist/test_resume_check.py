@@ -107,3 +107,19 @@ def test_what_one_ranks_data_decides_is_a_message_and_exit_2_within_seconds(tmp_
         assert "rank 1 (local rank 1, pid" in result.stderr and \
             "failed first, exit code 2: hpctrain: error: [rank 1] step.log: a tensor of shape [2]" in result.stderr
         assert "HINT: log one number" in result.stderr and "[rank1]: Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_sys_exit_inside_the_session_ends_the_process_with_its_code(tmp_path: Path, code: int):
+    """As without the session: nothing after the with block runs (a sys.exit(0) on rank 0 only must not leave
+    the other ranks' code running after it on one rank)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exits.py"
+    script.write_text("import sys, hpctrain\nwith hpctrain.session({'log.tensorboard': False}) as run:\n"
+                      f"    sys.exit({code})\nprint('after the session')\n")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True,
+                            text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == code, result.stderr
+    assert "after the session" not in result.stdout

@@ -199,7 +199,76 @@ def test_gradients_only_optimizer_step_can_finish_need_it(tmp_path: Path):
                 step.backward(nn.functional.mse_loss(model(x), y))
                 step.optimizer_step()
 
-    _misuse(tmp_path / "b", early, "after 1 of the step's 2 micro-batches")
+    _misuse(tmp_path / "b", early, "step.optimizer_step('opt') after a pass over step.micro_batches was left",
+            "run.poll()")
+
+    def second_pass_early(run):
+        g, d = _two_models(run)
+        for step in run.steps(_data()):
+            for (x, y), _ in step.micro_batches("opt_d"):
+                step.backward(nn.functional.mse_loss(d(x), y))
+            step.optimizer_step("opt_d")
+            for (x, y), _ in step.micro_batches("opt_g"):
+                step.backward(-d(g(x)).mean())
+                step.optimizer_step("opt_g")
+
+    _misuse(tmp_path / "c", second_pass_early, "step.optimizer_step('opt_g') after a pass")
+
+    def left(run):
+        model = run.wrap(nn.Linear(3, 1))
+        run.register(model=model, opt=torch.optim.SGD(model.parameters(), lr=0.1))
+        for step in run.steps(_data()):
+            for (x, y), _ in step.micro_batches():
+                step.backward(nn.functional.mse_loss(model(x), y))
+                break
+
+    _misuse(tmp_path / "d", left, "the end of the step after a pass over step.micro_batches was left")
+
+    run = _session(tmp_path / "e")  # stepping within the last micro-batch is stepping after the whole pass
+    with run.opened():
+        model = run.wrap(nn.Linear(3, 1))
+        run.register(model=model, opt=torch.optim.SGD(model.parameters(), lr=0.1))
+        for step in run.steps(_data()):
+            for micro, ((x, y), _) in enumerate(step.micro_batches()):
+                step.backward(nn.functional.mse_loss(model(x), y))
+                if micro == 1:
+                    step.optimizer_step()
+    assert run.exit_code == 0
+
+
+def test_a_token_optimizers_count_scales_only_the_steps_that_gave_one(tmp_path: Path):
+    """Once an optimizer took a (sum, count), every rank all-reduces its count at each of its steps (a collective
+    cannot depend on a rank's data); a later step of mean losses is left as it is (factor world / world)."""
+    run = _session(tmp_path)
+    counts = []
+    with run.opened():
+        model = run.wrap(nn.Linear(3, 1))
+        run.register(model=model, opt=torch.optim.SGD(model.parameters(), lr=0.1))
+        for step in run.steps(_data()):
+            for (x, y), _ in step.micro_batches():
+                loss = nn.functional.mse_loss(model(x), y, reduction="sum")
+                step.backward((loss, len(x)) if step.index == 0 else loss / len(x))
+            counts.append(float(step._global_count("opt")))
+            step.optimizer_step()
+    assert counts == [4.0, float(run.world_size)]
+    assert run.ratio_optimizers == {"opt"}
+
+
+def test_the_data_of_run_steps_cannot_be_registered(tmp_path: Path):
+    class Loader(list):
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+    def body(run):
+        model = run.wrap(nn.Linear(3, 1))
+        data = Loader([(torch.randn(2, 3), torch.randn(2, 1))] * 4)
+        run.register(model=model, opt=torch.optim.SGD(model.parameters(), lr=0.1), data=data)
+        run.steps(data)
+
+    _misuse(tmp_path, body, "run.steps over the object registered as 'data'", "do not register")
 
 
 def test_fp16_losses_go_through_their_own_optimizers_pass(tmp_path: Path):
@@ -225,6 +294,17 @@ def test_fp16_losses_go_through_their_own_optimizers_pass(tmp_path: Path):
 
     _misuse(tmp_path / "b", unnamed, "several optimizers and no pass named")
 
+    def split(run):
+        run.precision = Precision("fp16", None, "cpu")
+        model = run.wrap(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)))
+        run.register(model=model, first=torch.optim.SGD(model[0].parameters(), lr=0.1),
+                     second=torch.optim.SGD(model[1].parameters(), lr=0.1))
+        for step in run.steps(_data()):
+            for (x, y), _ in step.micro_batches("first"):
+                step.backward(nn.functional.mse_loss(model(x), y))
+
+    _misuse(tmp_path / "d", split, "models ['model'] are stepped by optimizer 'first' and another", "bf16")
+
     run = _session(tmp_path / "c")  # each pass through its own scaler: trains, scalers checkpointed by name
     run.precision = Precision("fp16", None, "cpu")
     with run.opened():
@@ -236,6 +316,7 @@ def test_fp16_losses_go_through_their_own_optimizers_pass(tmp_path: Path):
                     step.backward(loss_of(x, y))
                 step.optimizer_step(name)
     assert run.exit_code == 0 and all(s.is_enabled() for s in run.objects.scalers.values())
+    assert all(p.grad is None or not p.grad.abs().sum() for p in [*g.parameters(), *d.parameters()])  # zeroed
 
 
 def test_evaluate_puts_back_each_models_own_mode(tmp_path: Path):

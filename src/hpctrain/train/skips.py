@@ -21,7 +21,7 @@ import logging
 
 import torch
 
-from hpctrain.errors import UserError, on_every_rank
+from hpctrain.errors import UserError, agreed_on_every_rank
 
 log = logging.getLogger("hpctrain")
 
@@ -132,7 +132,7 @@ def loss_scale(ctx) -> float | None:
 def too_many(in_a_row: int, step: int, limit: int) -> UserError:
     """Every rank reads the same flags at the same step: every rank raises this there."""
     first = step - in_a_row + 1
-    return on_every_rank(UserError(
+    return agreed_on_every_rank(UserError(
         f"{in_a_row} optimizer steps in a row (steps {first}-{step}) had a non-finite gradient (inf or NaN) and were "
         f"skipped, more than train.max_skipped_steps={limit}: the run has diverged or its data holds inf/NaN. The "
         f"weights have not changed since step {first - 1}; checkpoints saved since then hold them",

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hpctrain.dist.collectives import all_reduce_max, all_reduce_sums
-from hpctrain.errors import UserError, on_every_rank
+from hpctrain.errors import UserError, agreed_on_every_rank, on_every_rank
 
 if TYPE_CHECKING:
     from hpctrain.train.context import TrainContext
@@ -64,7 +64,7 @@ def _check_same_names(ctx: TrainContext, names: list[str]) -> None:
     code = float(zlib.crc32("\n".join(names).encode()))
     spread = all_reduce_max({"high": code, "low": -code}, ctx.runtime)
     if spread["high"] != -spread["low"]:
-        raise on_every_rank(UserError(
+        raise agreed_on_every_rank(UserError(
             f"the ranks logged different values since the last train record (rank {ctx.runtime.rank}: "
             f"{', '.join(names) or 'none'})", "log the same names on every rank at every step (step.log): a rank "
             "without a value logs (0.0, 0) for a (sum, count)."))

@@ -65,32 +65,32 @@ def session(defaults: Mapping[str, Any] | None = None, *, config: str | Path | N
     """The training session of this process: ``defaults`` (dotted keys, like an Experiment's), a TOML ``config``
     file and ``key=value`` ``overrides`` of the script's own; ``options``: a frozen dataclass for the [model] section;
     ``name``: the run's name in its checkpoints (default: the script's file name)."""
-    from hpctrain.errors import raised_on_every_rank
+    from hpctrain.errors import agreed
     from hpctrain.process_exit import exit_code_of, exit_without_finalizing
 
     if _ACTIVE:
         print("hpctrain: error: hpctrain.session() inside another session\nHINT: one session per process: use the "
               "run it gave.", file=sys.stderr)
         exit_without_finalizing(2)
-    interrupted = False
+    interrupted = exiting = False
     try:
         with _session(defaults, config, overrides, options, name) as run:
             yield run
         code = run.exit_code
     except UserError as err:
         rank = _rank()
-        if not (rank and raised_on_every_rank(err)):  # the same message from every rank is rank 0's to print
+        if not (rank and agreed(err)):  # a verdict the ranks reached together is rank 0's to print
             print(f"hpctrain: error: {f'[rank {rank}] ' if rank else ''}{err}", file=sys.stderr)
         code = 2
-    except SystemExit as exc:
-        code = exit_code_of(exc)
+    except SystemExit as exc:  # sys.exit() in the loop ends the process, as it would without the session
+        code, exiting = exit_code_of(exc), True
     except KeyboardInterrupt:
         sys.excepthook(*sys.exc_info())
         code, interrupted = 130, True
     except BaseException:  # noqa: BLE001 - the user's error, reported as Python would, then the process ends
         sys.excepthook(*sys.exc_info())
         code = 1
-    if code:
+    if code or exiting:
         # A stop, misuse or failure is the end of the process, as hpctrain train's: no interpreter teardown in
         # which torch's threads (a rank that failed alone, its peers still in a collective) can abort or hang it.
         exit_without_finalizing(code, by_sigint=interrupted)

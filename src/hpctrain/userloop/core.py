@@ -37,7 +37,7 @@ from hpctrain.fault.signals import StopSignals, stop_signal_names
 from hpctrain.fault.vote import StepVote
 from hpctrain.userloop.evaluation import evaluate_over
 from hpctrain.userloop.data import OwnLoader, OwnOrder, is_map_style, own_data_warning
-from hpctrain.userloop.objects import NamedObjects, Wrapped, local_misuse, misuse
+from hpctrain.userloop.objects import NamedObjects, Wrapped, agreed_misuse, misuse
 from hpctrain.userloop.step import Step
 from hpctrain.train import loop
 from hpctrain.train.context import FaultState, TrainContext
@@ -240,6 +240,11 @@ class TrainingSession:
         if self._steps is not None:
             raise misuse("run.steps called twice", "one run.steps per session: its loop runs the whole training "
                          "(train.max_steps or train.epochs); resumes continue it.")
+        registered = [name for name, obj in self.objects.others.items() if obj is data]
+        if registered:
+            raise misuse(f"run.steps over the object registered as '{registered[0]}'", "do not register the data "
+                         "you give run.steps: a registered object's state is rank 0's, loaded on every rank, and "
+                         "run.steps finds the position of a resume itself.")
         self.ctx = self._context(data, collate_fn, transform, val)
         self._steps = Steps(self)
         return self._steps
@@ -294,10 +299,10 @@ class TrainingSession:
 
         spread = all_reduce_max({"most": float(steps_per_epoch), "fewest": -float(steps_per_epoch)}, self.runtime)
         if spread["most"] != -spread["fewest"]:
-            raise misuse(f"run.steps: the ranks' own data give {int(-spread['fewest'])} to {int(spread['most'])} steps "
-                         f"per epoch (this rank: {steps_per_epoch})", "give every rank data of the same length (e.g. "
-                         "a DistributedSampler with drop_last=True), or a map-style data set, which hpctrain deals out "
-                         "itself.")
+            raise agreed_misuse(f"run.steps: the ranks' own data give {int(-spread['fewest'])} to "
+                                f"{int(spread['most'])} steps per epoch (this rank: {steps_per_epoch})",
+                                "give every rank data of the same length (e.g. a DistributedSampler with "
+                                "drop_last=True), or a map-style data set, which hpctrain deals out itself.")
 
     def iterate(self) -> Iterator[Step]:
         """The loop of run.steps (train/loop.py's train(), with the step handed to the user)."""
@@ -322,13 +327,16 @@ class TrainingSession:
                 try:
                     yield step
                 except GeneratorExit:  # the user's loop left with break (or return): no boundary, no save
+                    self.current = None
                     if self.runtime.is_main:
                         log.warning("the loop over run.steps ended at step %d of %d before its end: nothing is saved "
                                     "after the last checkpoint (end a run with train.max_steps or "
                                     "train.stop_at_step instead, which save)", ctx.state.step, ctx.end_step)
                     raise
-                step.close()
-                self.current = None
+                try:
+                    step.close()
+                finally:
+                    self.current = None
                 window.named_steps += 1
                 ctx.state.advance(ctx.batches.global_batch_size, ctx.sampler.steps_per_epoch)
                 if self.recorder:  # hpctrain check resume: the state after this step
@@ -348,8 +356,8 @@ class TrainingSession:
         try:
             batch = next(batches)
         except StopIteration:
-            raise local_misuse("the data ran out inside a step", "give run.steps data whose length does not "
-                               "change while it is iterated.") from None
+            raise misuse("the data ran out inside a step", "give run.steps data whose length does not change "
+                         "while it is iterated.") from None
         self.window.data_wait += time.perf_counter() - waited
         if self.recorder:
             self.recorder.saw(batch)

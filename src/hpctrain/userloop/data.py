@@ -20,7 +20,7 @@ import logging
 from typing import Any, Iterable, Iterator
 
 from hpctrain.config.batch import BatchSizes
-from hpctrain.userloop.objects import local_misuse, misuse
+from hpctrain.userloop.objects import misuse
 
 log = logging.getLogger("hpctrain")
 
@@ -50,9 +50,9 @@ class OwnOrder:
             micro_batches = max_steps * plan.grad_accum
         self.steps_per_epoch = micro_batches // plan.grad_accum
         if self.steps_per_epoch == 0:
-            raise local_misuse(f"run.steps: the data yields {micro_batches} micro-batch(es) per epoch on this rank, "
-                               f"fewer than one step's {plan.grad_accum}", "give more data, or a larger "
-                               "train.micro_batch_size for the same global batch (fewer accumulation steps).")
+            raise misuse(f"run.steps: the data yields {micro_batches} micro-batch(es) per epoch on this rank, "
+                         f"fewer than one step's {plan.grad_accum}", "give more data, or a larger "
+                         "train.micro_batch_size for the same global batch (fewer accumulation steps).")
         self.epoch = self.start_step = 0
 
     def set_position(self, epoch: int, step_in_epoch: int) -> None:

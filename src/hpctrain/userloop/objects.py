@@ -17,21 +17,23 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hpctrain.errors import UserError, on_every_rank
+from hpctrain.errors import UserError, agreed_on_every_rank
 
 SCHEDULER_TYPES: tuple[type, ...] = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
 
 def misuse(message: str, hint: str) -> UserError:
-    """Bad use of the session API that the program's structure decides (the same code runs on every rank), so every
-    rank raises it alike and they may meet to leave the process group."""
-    return on_every_rank(UserError(message, hint))
-
-
-def local_misuse(message: str, hint: str) -> UserError:
-    """Bad use that this rank's data decides (its length, a value's shape): maybe raised by this rank alone, so it
-    must not wait for the others on its way out."""
+    """Bad use of the session API. Not marked on_every_rank, though the same code runs on every rank: whether a
+    rank raises it may depend on its data or on rank-dependent code, and a rank that waited at the leaving
+    barrier for peers still training would wait for dist.control_timeout_s. Each rank leaves at once instead
+    (without tearing down the process group; see dist/runtime.py shutdown)."""
     return UserError(message, hint)
+
+
+def agreed_misuse(message: str, hint: str) -> UserError:
+    """Bad use found by a collective (every rank holds the same verdict): the ranks meet to leave, and rank 0
+    alone says it."""
+    return agreed_on_every_rank(UserError(message, hint))
 
 
 @dataclass

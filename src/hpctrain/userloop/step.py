@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from hpctrain.dist.wrap import ddp_of, fsdp_of, reshard
 from hpctrain.experiments.base import BatchInfo
-from hpctrain.userloop.objects import local_misuse, misuse
+from hpctrain.userloop.objects import misuse
 from hpctrain.train.device import to_device
 from hpctrain.train.ema import ema_step
 from hpctrain.train.step import step_optimizer
@@ -50,6 +50,8 @@ class Step:
         self._counts: dict[str, torch.Tensor] = {}
         self._skipped: dict[str, Any] = {}
         self._phase: str | None = None
+        self._pass_done = True
+        """The last pass over micro_batches reached its last micro-batch (or none was made)."""
         self._closed = False
 
     # -- what the user sees -------------------------------------------------------------------------------------
@@ -89,6 +91,7 @@ class Step:
                         if entry.trainable:
                             stack.enter_context(_gradient_sync(entry.wrapped, last and name in syncing))
                     ctx.fault.heartbeat.mark("forward")
+                    self._pass_done = last  # within the last micro-batch the optimizer may step
                     with ctx.precision.autocast():
                         yield batch, info
         finally:
@@ -134,18 +137,10 @@ class Step:
             raise misuse(f"step.optimizer_step('{name}') twice in one step",
                          "step each optimizer once per step; for more updates, use more steps.")
         params = session.objects.optimizer_params(name)
-        if self._cache and len(self._cache) < session.ctx.batches.grad_accum:
-            raise misuse(f"step.optimizer_step('{name}') after {len(self._cache)} of the step's "
-                         f"{session.ctx.batches.grad_accum} micro-batches", "step the optimizer after the whole pass "
-                         "over step.micro_batches(): the gradients sync in its last micro-batch.")
+        if not self._pass_done:
+            raise self._left_pass(f"step.optimizer_step('{name}')")
         if name in session.ratio_optimizers:
-            # Every rank, even one whose micro-batches gave this optimizer no (sum, count) this step: the count's
-            # all-reduce is a collective, so which ranks make it cannot depend on their data.
-            count = torch.as_tensor(self._counts.get(name, 0.0), dtype=torch.float32,
-                                    device=session.ctx.runtime.device)
-            if session.ctx.runtime.distributed:
-                dist.all_reduce(count)
-            scale_gradients(params, count, session.ctx.runtime.world_size)
+            scale_gradients(params, self._global_count(name), session.ctx.runtime.world_size)
         session.ctx.fault.heartbeat.mark("optimizer")
         clip = session.ctx.cfg.train.grad_clip if clip is None else clip
         scheduler = _Schedules(session.objects.schedulers_of(name) if session.steps_schedules else [])
@@ -184,6 +179,9 @@ class Step:
         if self._closed:
             return
         self._closed = True
+        if not self._pass_done:
+            raise self._left_pass("the end of the step")
+        self._check_stepped()
         for micro in range(len(self._cache), self._session.ctx.batches.grad_accum):
             self._micro_batch(micro)
         self._cache.clear()
@@ -194,10 +192,28 @@ class Step:
         for name, entry in session.objects.models.items():
             if entry.ema is not None:
                 ema_step(entry.ema, entry.raw, self._model_skipped(name))
-        self._check_stepped()
         flags = list(self._skipped.values())
         if flags:
             session.note_skipped(self.index + 1, _any(flags))
+
+    def _global_count(self, name: str) -> torch.Tensor:
+        """The global count of optimizer ``name``'s (sum, count) losses this step, or the world size where no rank
+        gave it one (a step of mean losses: its gradients then stay as they are). Made on every rank, even one whose
+        micro-batches gave no (sum, count): the all-reduce is a collective, so which ranks make it cannot depend on
+        their data; and read on the device, with no wait for it on the host."""
+        runtime = self._session.ctx.runtime
+        count = torch.as_tensor(self._counts.get(name, 0.0), dtype=torch.float32, device=runtime.device).reshape(())
+        pair = torch.stack([count, torch.tensor(float(name in self._counts), device=runtime.device)])
+        if runtime.distributed:
+            dist.all_reduce(pair)
+        return torch.where(pair[1] > 0, pair[0], torch.full_like(pair[0], float(runtime.world_size)))
+
+    def _left_pass(self, what: str) -> Exception:
+        accum = self._session.ctx.batches.grad_accum
+        return misuse(f"{what} after a pass over step.micro_batches was left before its last micro-batch (of "
+                      f"{accum})", "finish each pass: the gradients sync in its last micro-batch, and a step is "
+                      "all of its micro-batches. To end work early when run.poll() says stop, leave work outside "
+                      "the passes; the stop takes effect at the end of the step.")
 
     def _check_stepped(self) -> None:
         """An optimizer whose gradients only step.optimizer_step can finish (scaled by the fp16 loss scaler, or
@@ -258,8 +274,8 @@ class Step:
             return [self._phase]
         if len(optimizers) > 1 and self._session.precision.name == "fp16":
             raise misuse("step.backward under fp16 with several optimizers and no pass named",
-                         "name the optimizer whose loss scaler this loss goes through: step.backward(loss, 'g'), "
-                         "or run the pass as step.micro_batches('g').")
+                         "run each optimizer's backward passes in its own pass, step.micro_batches('g'): its loss "
+                         "scaler and only its models' gradients.")
         return list(optimizers)
 
     def _only_optimizer(self, name: str | None, where: str) -> str:
@@ -317,7 +333,7 @@ def _restore(params: list[torch.Tensor]) -> None:
 def _detached(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise local_misuse(f"step.log: a tensor of shape {list(value.shape)}", "log one number per name.")
+            raise misuse(f"step.log: a tensor of shape {list(value.shape)}", "log one number per name.")
         return value.detach().reshape(()).float()
     return float(value)
 
