@@ -42,7 +42,7 @@ from hpctrain.dist.collectives import (
     barrier, broadcast_bytes, broadcast_object, broadcast_state, gather_objects, gather_to_main, scatter_objects,
 )
 from hpctrain.dist.runtime import Runtime
-from hpctrain.errors import UserError, on_every_rank
+from hpctrain.errors import UserError, agreed_on_every_rank, on_every_rank
 
 T = TypeVar("T")
 
@@ -496,12 +496,12 @@ class Checkpointer:
                 header = (0, f"{type(err).__name__}: {err}")
         nbytes, error = broadcast_object(header, self.runtime)
         if error:
-            raise on_every_rank(_unreadable(path, name, error))
+            raise agreed_on_every_rank(_unreadable(path, name, error))
         data = broadcast_bytes(data, nbytes, self.runtime)
         try:
             return storage.load_bytes(data, path, name)
         except UserError as err:  # the same bytes on every rank: the same error on every rank
-            raise on_every_rank(err) from None
+            raise agreed_on_every_rank(err) from None
 
     def _own_rng(self, path: Path) -> dict[str, Any]:
         """Collective: this rank's entry of rng.pt, which rank 0 reads and scatters (each rank gets its own)."""

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from hpctrain.dist.env import restart_count
-from hpctrain.errors import UserError, on_every_rank
+from hpctrain.errors import UserError, agreed_on_every_rank
 from hpctrain.slurm.job import job_liveness, run_slurm
 
 if TYPE_CHECKING:  # torch: not imported by `hpctrain slurm submit`, which asks holder() only
@@ -432,7 +432,7 @@ def hold_run_dir(run_dir: Path, runtime: Runtime) -> Iterator[RunLock | None]:
             refusal = (str(err.args[0]), err.hint)
     refusal = broadcast_object(refusal, runtime)
     if refusal[0]:
-        raise on_every_rank(UserError(*refusal))
+        raise agreed_on_every_rank(UserError(*refusal))
     try:
         yield lock
     finally:

@@ -26,9 +26,10 @@ def failed(raised: BaseException, fault: FaultState, watchdog: Watchdog, alerter
     fault.signals.uninstall()
     watchdog.stop("failed")
     # Under hpctrain's torchrun wrapper the launcher reports the first failure once, for all ranks; without
-    # it (srun tasks) an error every rank raised together is rank 0's to report, not 512 posts.
+    # it (srun tasks) an error every rank raised together, or bad input (the same on every rank as a rule), is
+    # rank 0's to report, not 512 posts (where rank 0 did not raise it, it fails on the peer that left, and says so).
     if not under_hpctrain_agent() and not isinstance(err, KeyboardInterrupt) \
-            and (runtime.is_main or not raised_on_every_rank(err)):
+            and (runtime.is_main or not (raised_on_every_rank(err) or isinstance(err, UserError))):
         alerter.send("failure", last_step=step, exit_code=1, detail=f"{type(err).__name__}: {err}",
                      log_tail=recent_log_lines())
     return err

@@ -14,7 +14,7 @@ import torch
 from hpctrain.checkpoint.policy import save_due
 from hpctrain.dist.collectives import all_reduce_sums, broadcast_buffers, broadcast_object
 from hpctrain.dist.wrap import fsdp_of, place_model
-from hpctrain.errors import on_every_rank
+from hpctrain.errors import agreed_on_every_rank
 from hpctrain.experiments.base import has_outputs, owns_optimizer
 from hpctrain.fault.run_lock import lost_error
 from hpctrain.fault.signals import signal_name
@@ -160,7 +160,7 @@ def _lock_lost(ctx: TrainContext, why: str) -> BaseException:
         except Exception:  # noqa: BLE001 - only for the message
             holder = None
         why = f"now held by {holder.describe()}" if holder is not None else "it was removed or taken over"
-    return on_every_rank(lost_error(Path(ctx.cfg.run_dir), why))
+    return agreed_on_every_rank(lost_error(Path(ctx.cfg.run_dir), why))
 
 
 def check_run_dir_lock(ctx: TrainContext) -> None:

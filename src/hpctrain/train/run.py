@@ -23,7 +23,7 @@ from hpctrain.dist.collectives import barrier, broadcast_object
 from hpctrain.dist.env import fault_injection_spec, stdout_is_terminal
 from hpctrain.dist.runtime import Runtime
 from hpctrain.dist.wrap import place_model, unwrap_model, wrap_model
-from hpctrain.errors import UserError, on_every_rank
+from hpctrain.errors import UserError, agreed_on_every_rank, on_every_rank
 from hpctrain.experiments.base import Datasets, Experiment, owns_optimizer, owns_scheduler
 from hpctrain.fault.alerts import Alerter, resolve_webhook
 from hpctrain.fault.heartbeat import Heartbeat
@@ -311,7 +311,7 @@ def _continue_from(ctx: TrainContext, resumed: Resumed) -> TrainState:
         state, warning = continue_with_batch(saved, ctx.cfg.train.global_batch_size,
                                              ctx.cfg.ckpt.on_batch_change, str(resumed.path), ctx.total_steps)
     except UserError as err:
-        raise on_every_rank(err) from None  # every rank read the same state.json
+        raise agreed_on_every_rank(err) from None  # every rank read the same state.json
     if warning and ctx.runtime.is_main:
         log.warning("%s", warning)
     order_warning = data_order_warning(state.epoch, state.step_in_epoch, saved.data_order,
