@@ -199,8 +199,8 @@ def test_gradients_only_optimizer_step_can_finish_need_it(tmp_path: Path):
                 step.backward(nn.functional.mse_loss(model(x), y))
                 step.optimizer_step()
 
-    _misuse(tmp_path / "b", early, "step.optimizer_step('opt') after a pass over step.micro_batches was left",
-            "run.poll()")
+    _misuse(tmp_path / "b", early, "step.optimizer_step('opt') before the pass over step.micro_batches ran its last "
+            "micro-batch's backward (of 2", "run.poll()")
 
     def second_pass_early(run):
         g, d = _two_models(run)
@@ -212,7 +212,31 @@ def test_gradients_only_optimizer_step_can_finish_need_it(tmp_path: Path):
                 step.backward(-d(g(x)).mean())
                 step.optimizer_step("opt_g")
 
-    _misuse(tmp_path / "c", second_pass_early, "step.optimizer_step('opt_g') after a pass")
+    _misuse(tmp_path / "c", second_pass_early, "step.optimizer_step('opt_g') before the pass")
+
+    def first_pass_left(run):  # a pass left early stays left, whatever later passes do
+        g, d = _two_models(run)
+        for step in run.steps(_data()):
+            for (x, y), _ in step.micro_batches("opt_d"):
+                step.backward(nn.functional.mse_loss(d(x), y))
+                break
+            for (x, y), _ in step.micro_batches("opt_g"):
+                step.backward(-d(g(x)).mean())
+            step.optimizer_step("opt_g")
+
+    _misuse(tmp_path / "c2", first_pass_left, "step.optimizer_step('opt_g') before step.micro_batches('opt_d') ran")
+
+    def before_last_backward(run):  # in the last micro-batch, but before its (syncing) backward
+        model = run.wrap(nn.Linear(3, 1))
+        run.register(model=model, opt=torch.optim.SGD(model.parameters(), lr=0.1))
+        for step in run.steps(_data()):
+            for micro, ((x, y), _) in enumerate(step.micro_batches()):
+                loss = nn.functional.mse_loss(model(x), y)
+                if micro == 1:
+                    step.optimizer_step()
+                step.backward(loss)
+
+    _misuse(tmp_path / "c3", before_last_backward, "step.optimizer_step('opt') before the pass")
 
     def left(run):
         model = run.wrap(nn.Linear(3, 1))
@@ -222,7 +246,7 @@ def test_gradients_only_optimizer_step_can_finish_need_it(tmp_path: Path):
                 step.backward(nn.functional.mse_loss(model(x), y))
                 break
 
-    _misuse(tmp_path / "d", left, "the end of the step after a pass over step.micro_batches was left")
+    _misuse(tmp_path / "d", left, "the end of the step before step.micro_batches() ran its last")
 
     run = _session(tmp_path / "e")  # stepping within the last micro-batch is stepping after the whole pass
     with run.opened():
@@ -265,8 +289,10 @@ def test_the_data_of_run_steps_cannot_be_registered(tmp_path: Path):
     def body(run):
         model = run.wrap(nn.Linear(3, 1))
         data = Loader([(torch.randn(2, 3), torch.randn(2, 1))] * 4)
+        steps = run.steps(data)  # registered after run.steps, as a schedule over steps.total is
         run.register(model=model, opt=torch.optim.SGD(model.parameters(), lr=0.1), data=data)
-        run.steps(data)
+        for _ in steps:
+            pass
 
     _misuse(tmp_path, body, "run.steps over the object registered as 'data'", "do not register")
 

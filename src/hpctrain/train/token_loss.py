@@ -38,7 +38,9 @@ def as_token_loss(value: Any, where: str) -> tuple[torch.Tensor, torch.Tensor] |
             raise on_every_rank(UserError(f"{where} returned a (sum, count) whose sum has shape "
                                           f"{list(total.shape)}", "the sum is one number: e.g. loss.sum() over the "
                                           "micro-batch's tokens."))
-        count = torch.as_tensor(count, dtype=torch.float32, device=total.device).detach()
+        # A number becomes a tensor by a fill on the device (torch.tensor(n, device=cuda) would wait for the stream).
+        count = count.detach().to(total.device, torch.float32) if isinstance(count, torch.Tensor) else \
+            torch.full((), float(count), dtype=torch.float32, device=total.device)
         return total, count
     raise on_every_rank(UserError(
         f"{where} returned {type(value).__name__}", "return the micro-batch's mean loss as a 0-d tensor, or a pair "

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hpctrain.dist.collectives import all_reduce_max, all_reduce_sums
-from hpctrain.errors import UserError, agreed_on_every_rank, on_every_rank
+from hpctrain.errors import UserError, agreed_on_every_rank
 
 if TYPE_CHECKING:
     from hpctrain.train.context import TrainContext
@@ -126,8 +126,8 @@ class Window:
         """A named value of one step: a mean (num the value, den 1) or a (sum, count) (kind ratio)."""
         known = self.kinds.get(name) or self.carried_kinds.get(name)
         if known is not None and known != kind:
-            raise on_every_rank(UserError(f"'{name}' was logged as a {known} and now as a {kind}",
-                                          "log a name always as a (sum, count) pair or always as a mean."))
+            raise UserError(f"'{name}' was logged as a {known} and now as a {kind}",
+                            "log a name always as a (sum, count) pair or always as a mean.")
         self.kinds[name] = kind
         then = self.named.get(name)
         self.named[name] = (num, den) if then is None else (then[0] + num, then[1] + den)

@@ -35,6 +35,7 @@ from hpctrain.fault.heartbeat import Heartbeat
 from hpctrain.fault.inject import build_injector
 from hpctrain.fault.signals import StopSignals, stop_signal_names
 from hpctrain.fault.vote import StepVote
+from hpctrain.process_exit import exit_code_of
 from hpctrain.userloop.evaluation import evaluate_over
 from hpctrain.userloop.data import OwnLoader, OwnOrder, is_map_style, own_data_warning
 from hpctrain.userloop.objects import NamedObjects, Wrapped, agreed_misuse, misuse
@@ -118,6 +119,7 @@ class TrainingSession:
         """After the session: 0 done, fault.exit_code stopped by a signal (resume me), 130 stopped by Ctrl-C."""
         self.recorder = ResumeRecorder.from_environment(runtime.rank)
         self._steps: Steps | None = None
+        self._data: Any = None
         self._open = False
         self.eval_loaders: dict[int, Any] = {}
         """run.evaluate's loader of each validation set (by id), made at its first call."""
@@ -149,6 +151,12 @@ class TrainingSession:
             result = self.result or loop.LoopResult({}, 0)
         except Stopped as stop:
             result = stop.result
+        except SystemExit as exc:  # the user's sys.exit: their end of the process, a failure only when non-zero
+            if exit_code_of(exc) == 0:
+                self.fault.signals.uninstall()
+                watchdog.stop("done")
+                raise
+            raise failed(exc, self.fault, watchdog, alerter, self.ctx.state.step if self.ctx else 0, runtime)
         except BaseException as raised:
             err = failed(raised, self.fault, watchdog, alerter, self.ctx.state.step if self.ctx else 0, runtime)
             if err is not raised:
@@ -240,11 +248,7 @@ class TrainingSession:
         if self._steps is not None:
             raise misuse("run.steps called twice", "one run.steps per session: its loop runs the whole training "
                          "(train.max_steps or train.epochs); resumes continue it.")
-        registered = [name for name, obj in self.objects.others.items() if obj is data]
-        if registered:
-            raise misuse(f"run.steps over the object registered as '{registered[0]}'", "do not register the data "
-                         "you give run.steps: a registered object's state is rank 0's, loaded on every rank, and "
-                         "run.steps finds the position of a resume itself.")
+        self._data = data
         self.ctx = self._context(data, collate_fn, transform, val)
         self._steps = Steps(self)
         return self._steps
@@ -308,6 +312,11 @@ class TrainingSession:
         """The loop of run.steps (train/loop.py's train(), with the step handed to the user)."""
         ctx = self.ctx
         self.objects.check()
+        registered = [name for name, obj in self.objects.others.items() if obj is self._data]
+        if registered:
+            raise misuse(f"run.steps over the object registered as '{registered[0]}'", "do not register the data "
+                         "you give run.steps: a registered object's state is rank 0's, loaded on every rank, and "
+                         "run.steps finds the position of a resume itself.")
         for kind, optimizer in self.objects.unregistered_schedulers() if self.runtime.is_main else ():
             log.warning("a %s of optimizer '%s' is not registered: a resume would start its schedule again; "
                         "run.register(name=scheduler)", kind, optimizer)

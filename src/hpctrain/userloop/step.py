@@ -51,7 +51,11 @@ class Step:
         self._skipped: dict[str, Any] = {}
         self._phase: str | None = None
         self._pass_done = True
-        """The last pass over micro_batches reached its last micro-batch (or none was made)."""
+        """The latest pass over micro_batches ran its last micro-batch's backward, or ran to its end (or none was
+        made): its gradients are synced."""
+        self._last_micro = False
+        self._left: str | None = None
+        """A pass left before its end (sticky for the step): which one."""
         self._closed = False
 
     # -- what the user sees -------------------------------------------------------------------------------------
@@ -82,6 +86,7 @@ class Step:
         syncing, off = self._session.phase_models(optimizer)
         saved = _switch_off(off)
         self._phase = optimizer or ""
+        self._pass_done = False
         try:
             for micro in range(accum):
                 batch, info = self._micro_batch(micro)
@@ -91,11 +96,14 @@ class Step:
                         if entry.trainable:
                             stack.enter_context(_gradient_sync(entry.wrapped, last and name in syncing))
                     ctx.fault.heartbeat.mark("forward")
-                    self._pass_done = last  # within the last micro-batch the optimizer may step
+                    self._last_micro = last
                     with ctx.precision.autocast():
                         yield batch, info
+            self._pass_done = True
         finally:
-            self._phase = None
+            if not self._pass_done and self._left is None:
+                self._left = f"step.micro_batches({optimizer!r})" if optimizer else "step.micro_batches()"
+            self._phase, self._last_micro = None, False
             _restore(saved)
 
     def backward(self, loss: Any, optimizer: str | None = None) -> None:
@@ -123,6 +131,8 @@ class Step:
         session.ctx.fault.heartbeat.mark("backward")
         with torch.autocast(session.ctx.runtime.device.type, enabled=False):  # the backward as an Experiment's
             (scaler.scale(value) if scaler is not None else value).backward()
+        if self._last_micro:  # the syncing backward of the pass: from here on its optimizer may step
+            self._pass_done = True
 
     def optimizer_step(self, name: str | None = None, clip: float | None = None) -> torch.Tensor | None:
         """Step optimizer ``name`` (default: the only one) on the gradients its backward passes accumulated:
@@ -137,7 +147,7 @@ class Step:
             raise misuse(f"step.optimizer_step('{name}') twice in one step",
                          "step each optimizer once per step; for more updates, use more steps.")
         params = session.objects.optimizer_params(name)
-        if not self._pass_done:
+        if self._left is not None or not self._pass_done:
             raise self._left_pass(f"step.optimizer_step('{name}')")
         if name in session.ratio_optimizers:
             scale_gradients(params, self._global_count(name), session.ctx.runtime.world_size)
@@ -179,7 +189,7 @@ class Step:
         if self._closed:
             return
         self._closed = True
-        if not self._pass_done:
+        if self._left is not None or not self._pass_done:
             raise self._left_pass("the end of the step")
         self._check_stepped()
         for micro in range(len(self._cache), self._session.ctx.batches.grad_accum):
@@ -202,18 +212,21 @@ class Step:
         micro-batches gave no (sum, count): the all-reduce is a collective, so which ranks make it cannot depend on
         their data; and read on the device, with no wait for it on the host."""
         runtime = self._session.ctx.runtime
-        count = torch.as_tensor(self._counts.get(name, 0.0), dtype=torch.float32, device=runtime.device).reshape(())
-        pair = torch.stack([count, torch.tensor(float(name in self._counts), device=runtime.device)])
+        count = self._counts.get(name)  # a device tensor (as_token_loss's); fills below, not host copies
+        took = torch.ones((), device=runtime.device) if count is not None else torch.zeros((), device=runtime.device)
+        count = torch.zeros((), device=runtime.device) if count is None else count.to(runtime.device, torch.float32)
+        pair = torch.stack([count.reshape(()), took])
         if runtime.distributed:
             dist.all_reduce(pair)
         return torch.where(pair[1] > 0, pair[0], torch.full_like(pair[0], float(runtime.world_size)))
 
     def _left_pass(self, what: str) -> Exception:
         accum = self._session.ctx.batches.grad_accum
-        return misuse(f"{what} after a pass over step.micro_batches was left before its last micro-batch (of "
-                      f"{accum})", "finish each pass: the gradients sync in its last micro-batch, and a step is "
-                      "all of its micro-batches. To end work early when run.poll() says stop, leave work outside "
-                      "the passes; the stop takes effect at the end of the step.")
+        which = self._left or "the pass over step.micro_batches"
+        return misuse(f"{what} before {which} ran its last micro-batch's backward (of {accum} micro-batches)",
+                      "finish each pass, its last backward included: the gradients sync in its last micro-batch, "
+                      "and a step is all of its micro-batches. To end work early when run.poll() says stop, leave "
+                      "work outside the passes; the stop takes effect at the end of the step.")
 
     def _check_stepped(self) -> None:
         """An optimizer whose gradients only step.optimizer_step can finish (scaled by the fp16 loss scaler, or
