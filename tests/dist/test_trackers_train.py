@@ -219,7 +219,10 @@ def test_a_tracker_that_raises_or_a_server_that_is_down_never_stops_or_slows_the
     down = train(tmp_path / "down", 1, 'log.trackers=["mlflow","wandb"]', f"log.mlflow_uri=http://127.0.0.1:{free_port()}",
                  "log.tracker_timeout_s=3", env={"HOME": str(tmp_path)})  # no ~/.netrc: no W&B key
     assert down.returncode == 0, down.output
-    assert down.stderr.count("tracker mlflow failed") == 1 and down.stderr.count("tracker wandb failed") == 1, down.stderr
+    # MLflow's client retries a refused connection with a backoff: on a loaded machine the run may end first, and
+    # its warning is then the end's (the wait given up after log.tracker_timeout_s) instead of the failure's.
+    mlflow_warnings = down.stderr.count("tracker mlflow failed") + down.stderr.count("tracker mlflow did not finish")
+    assert mlflow_warnings == 1 and down.stderr.count("tracker wandb failed") == 1, down.stderr
     assert sorted(r["step"] for r in read_metrics(tmp_path / "down" / "metrics.jsonl") if r["split"] == "train") == \
         list(range(2, 21, 2))
 
