@@ -40,6 +40,12 @@ def _misuse(tmp_path: Path, body, *words: str) -> None:
     assert "HINT:" in text  # says what to do
 
 
+def _one_model(run) -> nn.Module:
+    model = run.wrap(nn.Linear(3, 1))
+    run.register(model=model, opt=torch.optim.SGD(model.parameters(), lr=0.1))
+    return model
+
+
 def test_registering_something_without_state_is_refused(tmp_path: Path):
     _misuse(tmp_path, lambda run: run.register(counter=object()), "'counter'", "no state_dict")
 
@@ -94,8 +100,7 @@ def test_the_run_outside_its_session_is_refused(tmp_path: Path):
 
 def test_steps_misused_inside_the_loop(tmp_path: Path):
     def unknown_name(run):
-        model = run.wrap(nn.Linear(3, 1))
-        run.register(model=model, opt=torch.optim.SGD(model.parameters(), lr=0.1))
+        _one_model(run)
         for step in run.steps(_data()):
             for _ in step.micro_batches("adam"):
                 pass
@@ -105,8 +110,7 @@ def test_steps_misused_inside_the_loop(tmp_path: Path):
     kept = []
 
     def twice_and_late(run):
-        model = run.wrap(nn.Linear(3, 1))
-        run.register(model=model, opt=torch.optim.SGD(model.parameters(), lr=0.1))
+        model = _one_model(run)
         for step in run.steps(_data()):
             for (x, y), _ in step.micro_batches():
                 step.backward(nn.functional.mse_loss(model(x), y))
@@ -192,8 +196,7 @@ def test_gradients_only_optimizer_step_can_finish_need_it(tmp_path: Path):
             "step.optimizer_step('opt')")
 
     def early(run):
-        model = run.wrap(nn.Linear(3, 1))
-        run.register(model=model, opt=torch.optim.SGD(model.parameters(), lr=0.1))
+        model = _one_model(run)
         for step in run.steps(_data()):
             for (x, y), _ in step.micro_batches():
                 step.backward(nn.functional.mse_loss(model(x), y))
@@ -227,8 +230,7 @@ def test_gradients_only_optimizer_step_can_finish_need_it(tmp_path: Path):
     _misuse(tmp_path / "c2", first_pass_left, "step.optimizer_step('opt_g') before step.micro_batches('opt_d') ran")
 
     def before_last_backward(run):  # in the last micro-batch, but before its (syncing) backward
-        model = run.wrap(nn.Linear(3, 1))
-        run.register(model=model, opt=torch.optim.SGD(model.parameters(), lr=0.1))
+        model = _one_model(run)
         for step in run.steps(_data()):
             for micro, ((x, y), _) in enumerate(step.micro_batches()):
                 loss = nn.functional.mse_loss(model(x), y)
@@ -239,8 +241,7 @@ def test_gradients_only_optimizer_step_can_finish_need_it(tmp_path: Path):
     _misuse(tmp_path / "c3", before_last_backward, "step.optimizer_step('opt') before the pass")
 
     def left(run):
-        model = run.wrap(nn.Linear(3, 1))
-        run.register(model=model, opt=torch.optim.SGD(model.parameters(), lr=0.1))
+        model = _one_model(run)
         for step in run.steps(_data()):
             for (x, y), _ in step.micro_batches():
                 step.backward(nn.functional.mse_loss(model(x), y))
@@ -250,8 +251,7 @@ def test_gradients_only_optimizer_step_can_finish_need_it(tmp_path: Path):
 
     run = _session(tmp_path / "e")  # stepping within the last micro-batch is stepping after the whole pass
     with run.opened():
-        model = run.wrap(nn.Linear(3, 1))
-        run.register(model=model, opt=torch.optim.SGD(model.parameters(), lr=0.1))
+        model = _one_model(run)
         for step in run.steps(_data()):
             for micro, ((x, y), _) in enumerate(step.micro_batches()):
                 step.backward(nn.functional.mse_loss(model(x), y))
@@ -266,8 +266,7 @@ def test_a_token_optimizers_count_scales_only_the_steps_that_gave_one(tmp_path: 
     run = _session(tmp_path)
     counts = []
     with run.opened():
-        model = run.wrap(nn.Linear(3, 1))
-        run.register(model=model, opt=torch.optim.SGD(model.parameters(), lr=0.1))
+        model = _one_model(run)
         for step in run.steps(_data()):
             for (x, y), _ in step.micro_batches():
                 loss = nn.functional.mse_loss(model(x), y, reduction="sum")

@@ -46,6 +46,12 @@ def all_reduce_max(stats: Mapping[str, float], runtime: Runtime) -> dict[str, fl
     return dict(zip(names, packed.tolist()))
 
 
+def value_range(value: float, runtime: Runtime) -> tuple[float, float]:
+    """(the smallest, the largest) of one number over all ranks, in one collective: equal when every rank has it."""
+    spread = all_reduce_max({"high": float(value), "low": -float(value)}, runtime)
+    return -spread["low"], spread["high"]
+
+
 def all_reduce_tensors(stats: Mapping[str, torch.Tensor], runtime: Runtime) -> dict[str, torch.Tensor]:
     """Sum named tensors of any shapes (a confusion matrix, a histogram) over all ranks in one collective, in
     float64; returned on the CPU with their shapes. Every rank must pass the same names and shapes."""

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hpctrain.dist.collectives import all_reduce_max, all_reduce_sums
+from hpctrain.dist.collectives import all_reduce_sums, value_range
 from hpctrain.errors import UserError, agreed_on_every_rank
 
 if TYPE_CHECKING:
@@ -61,9 +61,8 @@ def _check_same_names(ctx: TrainContext, names: list[str]) -> None:
         return
     import zlib
 
-    code = float(zlib.crc32("\n".join(names).encode()))
-    spread = all_reduce_max({"high": code, "low": -code}, ctx.runtime)
-    if spread["high"] != -spread["low"]:
+    low, high = value_range(zlib.crc32("\n".join(names).encode()), ctx.runtime)
+    if low != high:
         raise agreed_on_every_rank(UserError(
             f"the ranks logged different values since the last train record (rank {ctx.runtime.rank}: "
             f"{', '.join(names) or 'none'})", "log the same names on every rank at every step (step.log): a rank "

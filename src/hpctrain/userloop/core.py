@@ -25,7 +25,7 @@ from hpctrain.config.batch import batch_sizes
 from hpctrain.config.schema import RunConfig
 from hpctrain.data.loader import build_loader
 from hpctrain.data.sampler import EvalBatchSampler, StepBatchSampler
-from hpctrain.dist.collectives import barrier
+from hpctrain.dist.collectives import barrier, value_range
 from hpctrain.dist.env import fault_injection_spec
 from hpctrain.dist.runtime import Runtime
 from hpctrain.dist.wrap import broadcast_module, place_model, unwrap_model, wrap_model
@@ -151,13 +151,11 @@ class TrainingSession:
             result = self.result or loop.LoopResult({}, 0)
         except Stopped as stop:
             result = stop.result
-        except SystemExit as exc:  # the user's sys.exit: their end of the process, a failure only when non-zero
-            if exit_code_of(exc) == 0:
+        except BaseException as raised:
+            if isinstance(raised, SystemExit) and exit_code_of(raised) == 0:  # the user's own clean end
                 self.fault.signals.uninstall()
                 watchdog.stop("done")
                 raise
-            raise failed(exc, self.fault, watchdog, alerter, self.ctx.state.step if self.ctx else 0, runtime)
-        except BaseException as raised:
             err = failed(raised, self.fault, watchdog, alerter, self.ctx.state.step if self.ctx else 0, runtime)
             if err is not raised:
                 raise err from None
@@ -299,12 +297,10 @@ class TrainingSession:
     def _same_epochs_everywhere(self, steps_per_epoch: int) -> None:
         """Collective: every rank's own data must give the same number of steps per epoch, or the ranks would end
         their epochs, save and stop at different steps (one waiting in a collective the others never make)."""
-        from hpctrain.dist.collectives import all_reduce_max
-
-        spread = all_reduce_max({"most": float(steps_per_epoch), "fewest": -float(steps_per_epoch)}, self.runtime)
-        if spread["most"] != -spread["fewest"]:
-            raise agreed_misuse(f"run.steps: the ranks' own data give {int(-spread['fewest'])} to "
-                                f"{int(spread['most'])} steps per epoch (this rank: {steps_per_epoch})",
+        fewest, most = value_range(steps_per_epoch, self.runtime)
+        if fewest != most:
+            raise agreed_misuse(f"run.steps: the ranks' own data give {int(fewest)} to {int(most)} steps per epoch "
+                                f"(this rank: {steps_per_epoch})",
                                 "give every rank data of the same length (e.g. a DistributedSampler with "
                                 "drop_last=True), or a map-style data set, which hpctrain deals out itself.")
 
@@ -335,15 +331,13 @@ class TrainingSession:
                 ctx.fault.heartbeat.mark("step", ctx.state.step)
                 try:
                     yield step
+                    step.close()
                 except GeneratorExit:  # the user's loop left with break (or return): no boundary, no save
-                    self.current = None
                     if self.runtime.is_main:
                         log.warning("the loop over run.steps ended at step %d of %d before its end: nothing is saved "
                                     "after the last checkpoint (end a run with train.max_steps or "
                                     "train.stop_at_step instead, which save)", ctx.state.step, ctx.end_step)
                     raise
-                try:
-                    step.close()
                 finally:
                     self.current = None
                 window.named_steps += 1
