@@ -172,6 +172,23 @@ def test_a_tracker_that_cannot_connect_warns_once(tmp_path: Path, caplog):
     assert "refused the connection" in caplog.text and caplog.text.count("failed") == 1
 
 
+def test_a_tracker_that_fails_after_the_end_gave_up_on_it_does_not_warn_again(tmp_path: Path, caplog):
+    """The end waits log.tracker_timeout_s and says so; the daemon thread's own failure, coming while the process
+    exits, is the same tracker down and is not said a second time (seen with MLflow's retries on a loaded VM)."""
+    class SlowToRefuse(Recorder):
+        def open(self, state):
+            time.sleep(1.0)
+            raise ConnectionRefusedError("refused the connection")
+
+    sink = _sink(tmp_path, SlowToRefuse(), timeout=0.3)
+    sink.write(_train(1))
+    sink.close()
+    sink.thread.join(10)
+    assert not sink.thread.is_alive() and sink.failed.startswith("ConnectionRefusedError")
+    assert "did not finish within log.tracker_timeout_s=0.3 s" in caplog.text
+    assert "tracker fake failed" not in caplog.text
+
+
 def test_a_slow_tracker_costs_the_training_nothing_and_the_end_waits_a_bounded_time(tmp_path: Path, caplog):
     client = Recorder(delay=0.5)
     sink = _sink(tmp_path, client, timeout=1.0)

@@ -121,6 +121,10 @@ class TrackerSink:
         """The first step whose record did not fit the queue (0: none); nothing from it on is sent this launch."""
         self.sent_step = 0
         self.complete = False
+        self._warned = False
+        self._warning = threading.Lock()
+        """A tracker that is down warns once: its failure, or the end's given-up wait, whichever comes first (a
+        daemon thread still retrying can fail after the end gave up on it, while the process exits)."""
         self.thread = threading.Thread(target=self._run, name=f"hpctrain-tracker-{client.name}", daemon=True)
         self.thread.start()
 
@@ -154,8 +158,8 @@ class TrackerSink:
             pass
         self.thread.join(max(0.0, deadline - time.monotonic()))
         if self.thread.is_alive():
-            log.warning("tracker %s did not finish within log.tracker_timeout_s=%g s; what it has not sent is in "
-                        "metrics.jsonl and goes out at the run's next launch", self.client.name, self.timeout_s)
+            self._warn_once("tracker %s did not finish within log.tracker_timeout_s=%g s; what it has not sent is in "
+                            "metrics.jsonl and goes out at the run's next launch", self.client.name, self.timeout_s)
         elif not self.failed and self.client.note():
             log.info("tracker %s: %s", self.client.name, self.client.note())
 
@@ -246,10 +250,18 @@ class TrackerSink:
         self.state = dataclasses.replace(self.state, sent_step=step)
         write_state(self.run_dir, self.client.name, self.state)
 
+    def _warn_once(self, text: str, *args: Any) -> None:
+        with self._warning:
+            if self._warned:
+                return
+            self._warned = True
+        log.warning(text, *args)
+
     def _fail(self, err: Exception) -> None:
         self.failed = f"{type(err).__name__}: {err}"
-        log.warning("tracker %s failed (%s); the training goes on without it, metrics.jsonl is the record (the "
-                    "run's next launch sends it what it missed)", self.client.name, self.failed.splitlines()[0][:500])
+        self._warn_once("tracker %s failed (%s); the training goes on without it, metrics.jsonl is the record (the "
+                        "run's next launch sends it what it missed)", self.client.name,
+                        self.failed.splitlines()[0][:500])
         try:
             self.client.close(False)
         except Exception:  # noqa: BLE001 - already failed; said once above
