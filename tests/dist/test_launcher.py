@@ -150,7 +150,8 @@ def test_signal_to_every_process_of_the_run_stops_it_with_a_checkpoint(tmp_path:
         time.sleep(0.3)  # a default-action signal kills at delivery; the ranks need longer to save and exit
         # Dead while its rank lives. A rank that saved and exited within the wait closes the tracker's pipe, and the
         # tracker then ends as it should, reparented: that is not a death by signal (seen on a fast CI machine).
-        died = [p for p, rank in trackers.items() if state(p) == "Z" and parent(p) == rank and state(rank) not in ("", "Z")]
+        died = [p for p, rank in trackers.items()
+                if state(p) == "Z" and parent(p) == rank and state(rank) not in ("", "Z")]
         assert not died, "tracker died"
         code = proc.wait(timeout=90)
         output = proc.stdout.read()
